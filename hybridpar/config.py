@@ -1,0 +1,278 @@
+"""Frozen dataclass configs, loaded from TOML and overridden by ``--section.field=value``.
+
+Every field carries its own help text (``metadata["help"]``) so the CLI, the README and the
+error messages are generated from one place. ``validate`` is run once, on every rank, before any
+process group exists; it raises ``ConfigError`` with one line naming the field and valid values.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+import typing
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A user error in the configuration: printed as one line, never as a traceback."""
+
+
+def _f(default: Any, help: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    n_layers: int = _f(4, "number of transformer blocks")
+    d_model: int = _f(128, "hidden size")
+    n_heads: int = _f(4, "attention (query) heads")
+    n_kv_heads: int = _f(2, "key/value heads (grouped-query attention); must divide n_heads")
+    d_ff: int = _f(384, "SwiGLU hidden size")
+    vocab_size: int = _f(256, "vocabulary size (256 for the byte-level data)")
+    seq_len: int = _f(128, "tokens per sequence")
+    tie_embeddings: bool = _f(False, "share the input embedding and the output head")
+    rope_theta: float = _f(10000.0, "rotary embedding base")
+    norm_eps: float = _f(1e-5, "RMSNorm epsilon")
+    init_std: float = _f(0.02, "std of the normal initialisation")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    dp: int = _f(2, "data-parallel degree (model replicas)")
+    tp: int = _f(1, "tensor-parallel degree (Megatron column/row split)")
+    pp: int = _f(1, "pipeline-parallel degree (stages)")
+    microbatches: int = _f(1, "micro-batches per optimizer step on each dp replica")
+    schedule: str = _f("1f1b", "pipeline schedule", choices=("gpipe", "1f1b"))
+    order: str = _f("tp-dp-pp", "rank order, innermost axis first (tp innermost = closest ranks)")
+    pp_split: str = _f("", "layers per stage, e.g. '2,2,1,1'; empty = balanced")
+    bucket_mb: float = _f(25.0, "data-parallel gradient bucket size in MiB")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = _f(300, "optimizer steps")
+    global_batch: int = _f(16, "sequences per optimizer step, over all dp replicas")
+    lr: float = _f(3e-3, "peak learning rate")
+    min_lr_ratio: float = _f(0.1, "final learning rate as a fraction of lr (cosine decay)")
+    warmup_steps: int = _f(20, "linear warmup steps")
+    weight_decay: float = _f(0.1, "AdamW weight decay (matrices only)")
+    beta1: float = _f(0.9, "AdamW beta1")
+    beta2: float = _f(0.95, "AdamW beta2")
+    eps: float = _f(1e-8, "AdamW epsilon")
+    grad_clip: float = _f(1.0, "clip the global gradient norm to this; 0 disables")
+    seed: int = _f(0, "seed of initialisation and data order (layout-independent)")
+    eval_every: int = _f(100, "validation every N steps; 0 disables")
+    eval_batches: int = _f(4, "validation batches (of global_batch sequences)")
+    metrics: str = _f("", "rank 0 writes one JSON line per step here")
+    device: str = _f("auto", "cpu, cuda or auto", choices=("auto", "cpu", "cuda"))
+    threads_per_rank: int = _f(0, "torch threads per rank; 0 = cores / local ranks")
+    progress: bool = _f(True, "show a progress bar on rank 0")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    path: str = _f("", "text file or folder; empty = the Python standard library's sources")
+    val_fraction: float = _f(0.05, "tail fraction of the tokens held out for validation")
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+_SECTION_TYPES = {"model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig,
+                  "data": DataConfig}
+
+
+def _suggest(name: str, options: typing.Iterable[str]) -> str:
+    close = difflib.get_close_matches(name, list(options), n=1, cutoff=0.6)
+    return f"; did you mean '{close[0]}'?" if close else ""
+
+
+def _coerce(section: str, f: dataclasses.Field, value: Any, *, from_text: bool) -> Any:
+    """Convert ``value`` to the field's type; TOML values must already have the right type."""
+    where = f"{section}.{f.name}"
+    typ = {"int": int, "float": float, "bool": bool, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
+    if from_text and isinstance(value, str):
+        if typ is bool:
+            low = value.lower()
+            if low not in ("true", "false", "1", "0", "yes", "no"):
+                raise ConfigError(f"{where}={value!r} is not a boolean; use true or false")
+            value = low in ("true", "1", "yes")
+        elif typ is not str:
+            try:
+                value = typ(value)
+            except ValueError:
+                raise ConfigError(f"{where}={value!r} is not {'an integer' if typ is int else 'a number'}") from None
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+        raise ConfigError(f"{where} must be {typ.__name__}, got {type(value).__name__} {value!r}")
+    choices = f.metadata.get("choices")
+    if choices and value not in choices:
+        raise ConfigError(f"{where}={value!r} is not valid; choose one of {', '.join(choices)}")
+    return value
+
+
+def apply_updates(cfg: Config, updates: dict[str, dict[str, Any]], *, from_text: bool) -> Config:
+    """Return ``cfg`` with ``{section: {field: value}}`` applied, rejecting unknown keys."""
+    new_sections = {}
+    for section, values in updates.items():
+        if section not in _SECTION_TYPES:
+            raise ConfigError(f"unknown config section '{section}'{_suggest(section, _SECTION_TYPES)}"
+                              f" (sections: {', '.join(_SECTION_TYPES)})")
+        if not isinstance(values, dict):
+            raise ConfigError(f"config section '{section}' must be a table, got {values!r}")
+        by_name = {f.name: f for f in fields(_SECTION_TYPES[section])}
+        changes = {}
+        for key, value in values.items():
+            if key not in by_name:
+                raise ConfigError(f"unknown config key '{section}.{key}'"
+                                  f"{_suggest(key, by_name)}")
+            changes[key] = _coerce(section, by_name[key], value, from_text=from_text)
+        new_sections[section] = replace(getattr(cfg, section), **changes)
+    return replace(cfg, **new_sections)
+
+
+def load_toml(path: str) -> dict:
+    try:
+        with open(path, "rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+
+
+def parse_overrides(items: typing.Sequence[str]) -> dict[str, dict[str, str]]:
+    """``["--model.n_layers=6", "train.lr=1e-3"]`` -> ``{"model": {"n_layers": "6"}, ...}``."""
+    out: dict[str, dict[str, str]] = {}
+    for item in items:
+        body = item[2:] if item.startswith("--") else item
+        key, eq, value = body.partition("=")
+        section, dot, name = key.partition(".")
+        if not eq or not dot or not name:
+            raise ConfigError(f"cannot parse override '{item}'; write --section.field=value, "
+                              f"e.g. --model.n_layers=6")
+        out.setdefault(section.replace("-", "_"), {})[name.replace("-", "_")] = value
+    return out
+
+
+def load_config(path: str | None = None, overrides: typing.Sequence[str] = (),
+                base: Config | None = None) -> Config:
+    cfg = base or Config()
+    if path:
+        cfg = apply_updates(cfg, load_toml(path), from_text=False)
+    return apply_updates(cfg, parse_overrides(overrides), from_text=True)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def pp_split(n_layers: int, pp: int, spec: str = "") -> list[int]:
+    """Layers per stage; balanced splits give the extra layers to the earliest stages."""
+    if spec:
+        return [int(x) for x in spec.split(",")]
+    base, extra = divmod(n_layers, pp)
+    return [base + (1 if s < extra else 0) for s in range(pp)]
+
+
+def validate(cfg: Config, world_size: int | None = None) -> None:
+    """Raise ConfigError naming the first problem; call before creating any process group."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    for section in (m, p, t):
+        for f in fields(section):
+            v = getattr(section, f.name)
+            if f.type in ("int", int) and not isinstance(v, bool) and v < 0:
+                raise ConfigError(f"{_sec(section)}.{f.name}={v} must not be negative")
+    positive = [("model", m, "n_layers"), ("model", m, "d_model"), ("model", m, "n_heads"),
+                ("model", m, "n_kv_heads"), ("model", m, "d_ff"), ("model", m, "vocab_size"),
+                ("model", m, "seq_len"), ("parallel", p, "dp"), ("parallel", p, "tp"),
+                ("parallel", p, "pp"), ("parallel", p, "microbatches"), ("train", t, "steps"),
+                ("train", t, "global_batch")]
+    for sec, obj, name in positive:
+        if getattr(obj, name) < 1:
+            raise ConfigError(f"{sec}.{name}={getattr(obj, name)} must be at least 1")
+    if m.d_model % m.n_heads:
+        raise ConfigError(f"model.n_heads={m.n_heads} must divide model.d_model={m.d_model}; "
+                          f"valid n_heads: {', '.join(map(str, _divisors(m.d_model)))}")
+    if m.head_dim % 2:
+        raise ConfigError(f"head_dim = d_model/n_heads = {m.head_dim} must be even for rotary embeddings")
+    if m.n_heads % m.n_kv_heads:
+        raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}; "
+                          f"valid n_kv_heads: {', '.join(map(str, _divisors(m.n_heads)))}")
+    for name, size in (("n_heads", m.n_heads), ("n_kv_heads", m.n_kv_heads), ("d_ff", m.d_ff),
+                       ("vocab_size", m.vocab_size)):
+        if size % p.tp:
+            valid = [d for d in _divisors(m.n_kv_heads) if m.n_heads % d == 0 and m.d_ff % d == 0
+                     and m.vocab_size % d == 0]
+            raise ConfigError(f"parallel.tp={p.tp} must divide model.{name}={size}; "
+                              f"valid tp: {', '.join(map(str, valid))}")
+    if p.pp > m.n_layers:
+        raise ConfigError(f"parallel.pp={p.pp} exceeds model.n_layers={m.n_layers}; "
+                          f"each stage needs at least one layer (pp <= {m.n_layers})")
+    if p.pp_split:
+        try:
+            split = pp_split(m.n_layers, p.pp, p.pp_split)
+        except ValueError:
+            raise ConfigError(f"parallel.pp_split={p.pp_split!r} must be comma-separated integers") from None
+        if len(split) != p.pp or sum(split) != m.n_layers or min(split) < 1:
+            raise ConfigError(f"parallel.pp_split={p.pp_split!r} must list pp={p.pp} positive "
+                              f"layer counts summing to n_layers={m.n_layers}")
+    axes = p.order.split("-")
+    if sorted(axes) != ["dp", "pp", "tp"]:
+        raise ConfigError(f"parallel.order={p.order!r} must name dp, tp and pp once each, "
+                          f"innermost first, e.g. 'tp-dp-pp'")
+    per_step = p.dp * p.microbatches
+    if t.global_batch % per_step:
+        raise ConfigError(
+            f"train.global_batch={t.global_batch} must be divisible by dp*microbatches="
+            f"{p.dp}*{p.microbatches}={per_step}; e.g. train.global_batch="
+            f"{max(per_step, (t.global_batch // per_step) * per_step)}")
+    if not 0 <= t.grad_clip:
+        raise ConfigError(f"train.grad_clip={t.grad_clip} must be >= 0")
+    if t.lr <= 0:
+        raise ConfigError(f"train.lr={t.lr} must be positive")
+    if not 0 < cfg.data.val_fraction < 1:
+        raise ConfigError(f"data.val_fraction={cfg.data.val_fraction} must be between 0 and 1")
+    if p.bucket_mb <= 0:
+        raise ConfigError(f"parallel.bucket_mb={p.bucket_mb} must be positive")
+    if world_size is not None and world_size != p.world_size:
+        raise ConfigError(
+            f"the launcher started {world_size} processes but dp*tp*pp = {p.dp}*{p.tp}*{p.pp} = "
+            f"{p.world_size}; start {p.world_size} processes (torchrun --nproc-per-node) or change "
+            f"--dp/--tp/--pp so their product is {world_size}")
+
+
+def _sec(obj: Any) -> str:
+    return {v: k for k, v in _SECTION_TYPES.items()}[type(obj)]
+
+
+def describe_fields() -> str:
+    """Markdown-ish list of every field with its default and help, for --help and the README."""
+    lines = []
+    for section, typ in _SECTION_TYPES.items():
+        for f in fields(typ):
+            lines.append(f"  --{section}.{f.name}={f.default!r}  {f.metadata['help']}")
+    return "\n".join(lines)

@@ -1,0 +1,162 @@
+"""``parallelize``: the one place that fixes the order pipeline split -> tensor parallel -> data parallel.
+
+The model is built on the meta device, cut and sharded there, then only this rank's shard is
+materialised. Each parameter is initialised from a generator keyed by (seed, unsharded name),
+generated at full size and sliced, so every layout starts from the very same weights as a
+single process.
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .config import Config, ModelConfig, pp_split
+from .data_parallel import GradSync
+from .mesh import ParallelMesh
+from .model import Transformer, init_std
+from .tensor_parallel.apply import ShardSpec, apply_tp
+from .tensor_parallel.layers import cross_entropy
+
+
+@dataclass
+class ParallelModel:
+    """This rank's piece of the model and what is needed to train and save it."""
+
+    module: Transformer
+    mesh: ParallelMesh
+    specs: dict[str, ShardSpec]  # local parameter name -> place in the unsharded tensor
+    layer_ids: list[int]
+    grad_sync: GradSync
+
+    @property
+    def is_first(self) -> bool:
+        return self.mesh.pp_rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.mesh.pp_rank == self.mesh.layout.pp - 1
+
+    @property
+    def tied_copy(self) -> bool:
+        """lm_head.weight is a pp-separated copy of tok_emb.weight, kept equal by summing grads."""
+        return self.mesh.embed_group is not None and self.is_last
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        tp_rows = logits.size(-1)
+        return cross_entropy(logits, targets, group=self.mesh.group("tp"),
+                             vocab_start=self.mesh.tp_rank * tp_rows)
+
+    def named_parameters(self):
+        return self.module.named_parameters()
+
+    def counted_parameters(self):
+        """Parameters whose gradients this rank counts in the global norm: tp-replicated ones
+        on tp rank 0 only, the pipeline copy of a tied embedding never."""
+        for name, p in self.module.named_parameters():
+            spec = self.specs[name]
+            if self.tied_copy and name == "lm_head.weight":
+                continue
+            if spec.dim is None and self.mesh.tp_rank != 0:
+                continue
+            yield p
+
+    def finish_grads(self) -> None:
+        """After the schedule: dp all-reduce, then sum the tied embedding's two pipeline copies."""
+        self.grad_sync.finish()
+        if self.mesh.embed_group is not None:
+            name = "tok_emb.weight" if self.is_first else "lm_head.weight"
+            p = dict(self.module.named_parameters())[name]
+            dist.all_reduce(p.grad, group=self.mesh.embed_group)
+
+
+def split_pipeline(model: Transformer, pp_rank: int, split: list[int]) -> list[int]:
+    """Keep only stage ``pp_rank``'s layers; first stage embeds, last stage norms and projects."""
+    start = sum(split[:pp_rank])
+    keep = list(range(start, start + split[pp_rank]))
+    for key in list(model.layers.keys()):
+        if int(key) not in keep:
+            del model.layers[key]
+    if pp_rank != 0:
+        model.tok_emb = None
+    if pp_rank != len(split) - 1:
+        model.norm = None
+        model.lm_head = None
+    return keep
+
+
+def _init_key(cfg: ModelConfig, name: str) -> str:
+    return "tok_emb.weight" if cfg.tie_embeddings and name == "lm_head.weight" else name
+
+
+def init_full(cfg: ModelConfig, key: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """The unsharded initial value of parameter ``key``; independent of layout and device."""
+    std = init_std(cfg, key)
+    if std is None:
+        return torch.ones(shape)
+    g = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{key}".encode()))
+    return torch.empty(shape).normal_(0.0, std, generator=g)
+
+
+def parallelize(cfg: Config, mesh: ParallelMesh) -> ParallelModel:
+    m = cfg.model
+    with torch.device("meta"):
+        model = Transformer(m)
+    full_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    full_shapes["lm_head.weight"] = (m.vocab_size, m.d_model)
+    split = pp_split(m.n_layers, mesh.layout.pp, cfg.parallel.pp_split)
+    layer_ids = split_pipeline(model, mesh.pp_rank, split)
+    tp_dims = apply_tp(model, mesh)
+
+    model.to_empty(device=mesh.device)
+    model.init_rope(mesh.device)
+    specs = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            dim = tp_dims.get(name)
+            spec = ShardSpec(full_shapes[name], dim, mesh.tp_rank if dim is not None else 0,
+                             mesh.layout.tp if dim is not None else 1, _init_key(m, name))
+            p.copy_(spec.take(init_full(m, spec.init_key, spec.full_shape, cfg.train.seed)))
+            specs[name] = spec
+    params = [p for _, p in model.named_parameters()]
+    sync = GradSync.build(params, group=mesh.group("dp"), n_accum=cfg.parallel.microbatches,
+                          bucket_bytes=int(cfg.parallel.bucket_mb * 2**20))
+    return ParallelModel(model, mesh, specs, layer_ids, sync)
+
+
+def build_optimizer(pm: ParallelModel, cfg: Config) -> torch.optim.Optimizer:
+    """AdamW; decay on matrices (dim >= 2) only. Elementwise, so sharding it changes nothing."""
+    decay, no_decay = [], []
+    for _, p in pm.named_parameters():
+        (decay if p.dim() >= 2 else no_decay).append(p)
+    t = cfg.train
+    return torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}],
+                             lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
+
+
+def local_state(pm: ParallelModel, *, grads: bool = False) -> dict[str, tuple[ShardSpec, torch.Tensor]]:
+    """{name: (spec, local tensor)} of parameters (or their gradients), detached on CPU."""
+    out = {}
+    for name, p in pm.named_parameters():
+        t = p.grad if grads else p
+        out[name] = (pm.specs[name], t.detach().cpu().clone())
+    return out
+
+
+def assemble(pieces: list[dict[str, tuple[ShardSpec, torch.Tensor]]]) -> dict[str, torch.Tensor]:
+    """Unsharded tensors from every rank's ``local_state`` (any layout); duplicates must agree
+    only in shape (dp replicas and tp-replicated parameters are taken once); the pipeline copy
+    of a tied output head is left out, as a single process has none."""
+    full: dict[str, torch.Tensor] = {}
+    for piece in pieces:
+        for name, (spec, t) in piece.items():
+            if spec.init_key != name:  # the pipeline copy of a tied embedding
+                continue
+            if name not in full:
+                full[name] = torch.zeros(spec.full_shape, dtype=t.dtype)
+            spec.take(full[name]).copy_(t)
+    return full

@@ -1,0 +1,114 @@
+"""The interpreter of a pipeline schedule: runs one rank's action list on real tensors.
+
+Runs of consecutive SEND/RECV actions are posted together with ``batch_isend_irecv`` and
+waited on as one batch, exactly the semantics the simulator checks for deadlocks. With pp=1 the
+list is just F0 B0 F1 B1 ...: plain gradient accumulation through the same code.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from .schedules import Action, Op
+
+COMM = {Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B}
+
+
+@dataclass
+class StepState:
+    """Tensors in flight for one optimizer step, keyed by (chunk, micro-batch)."""
+
+    inputs: dict = field(default_factory=dict)      # received activations (require grad)
+    outputs: dict = field(default_factory=dict)     # stage outputs, or the loss on the last stage
+    grads_in: dict = field(default_factory=dict)    # received output gradients
+    losses: dict = field(default_factory=dict)      # last stage: detached per-mb loss
+    max_in_flight: int = 0
+
+
+@dataclass
+class PipelineRunner:
+    """Executes actions for one rank. ``chunks`` are this rank's model pieces (one unless
+    interleaved); ``loss_fn(logits, targets)`` is the mean token loss of a micro-batch."""
+
+    chunks: list
+    mesh: object
+    n_microbatches: int
+    act_shape: tuple[int, ...]
+    act_dtype: torch.dtype
+    loss_fn: Callable
+    on_action: Callable | None = None  # (action, t_start, t_end) for tracing
+
+    def _peer(self, op: Op) -> int:
+        P, s = self.mesh.layout.pp, self.mesh.pp_rank
+        nxt = op in (Op.SEND_F, Op.RECV_B)
+        return self.mesh.stage_rank((s + 1) % P if nxt else (s - 1) % P)
+
+    def _comm(self, batch: list[Action], st: StepState) -> None:
+        group, ops = self.mesh.group("pp"), []
+        for a in batch:
+            key, peer = (a.chunk, a.mb), self._peer(a.op)
+            if a.op is Op.SEND_F:
+                t = st.outputs[key].detach()
+            elif a.op is Op.SEND_B:
+                t = st.inputs.pop(key).grad
+            else:
+                t = torch.empty(self.act_shape, dtype=self.act_dtype, device=self.mesh.device)
+                (st.inputs if a.op is Op.RECV_F else st.grads_in)[key] = t
+            fn = dist.isend if a.op in (Op.SEND_F, Op.SEND_B) else dist.irecv
+            ops.append(dist.P2POp(fn, t.contiguous(), peer, group))
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+        for a in batch:
+            if a.op is Op.RECV_F:
+                st.inputs[(a.chunk, a.mb)].requires_grad_(True)
+
+    def _forward(self, a: Action, inputs, targets, st: StepState) -> None:
+        key, chunk = (a.chunk, a.mb), self.chunks[a.chunk]
+        x = inputs[a.mb] if key not in st.inputs else st.inputs[key]
+        out = chunk.module(x)
+        if self._is_last(a.chunk):
+            loss = self.loss_fn(out, targets[a.mb]) / self.n_microbatches
+            st.losses[a.mb] = loss.detach()
+            out = loss
+        st.outputs[key] = out
+        st.max_in_flight = max(st.max_in_flight, len(st.outputs))
+
+    def _backward(self, a: Action, st: StepState) -> None:
+        key = (a.chunk, a.mb)
+        out = st.outputs.pop(key)
+        if self._is_last(a.chunk):
+            out.backward()
+        else:
+            torch.autograd.backward(out, st.grads_in.pop(key))
+        # a received input stays in st.inputs until SEND_B takes its .grad
+
+    def _is_last(self, chunk: int) -> bool:
+        P = self.mesh.layout.pp
+        return chunk == len(self.chunks) - 1 and self.mesh.pp_rank == P - 1
+
+    def run(self, actions: list[Action], inputs: list, targets: list) -> StepState:
+        st, i = StepState(), 0
+        while i < len(actions):
+            j = i
+            while j < len(actions) and actions[j].op in COMM:
+                j += 1
+            t0 = time.perf_counter()
+            if j > i:
+                self._comm(actions[i:j], st)
+                done, i = actions[i:j], j
+            else:
+                a = actions[i]
+                if a.op is Op.FWD:
+                    self._forward(a, inputs, targets, st)
+                else:
+                    self._backward(a, st)
+                done, i = [a], i + 1
+            if self.on_action is not None:
+                t1 = time.perf_counter()
+                for a in done:
+                    self.on_action(a, t0, t1)
+        return st

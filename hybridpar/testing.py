@@ -1,0 +1,156 @@
+"""Helpers to check a layout against a single process: tiny configs, a multi-case worker, and
+bug injections that prove the checks can fail. Used by the tests; importable by any user who
+wants to verify their own build (``python -m pytest tests``)."""
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig
+from .data import Dataset
+from .mesh import Layout, build_mesh, single_mesh
+from .parallelize import assemble, local_state
+from .train import Callbacks, train
+
+
+def tiny_config(*, dp=1, tp=1, pp=1, schedule="1f1b", microbatches=4, steps=5, **model) -> Config:
+    """8 small layers so every factorisation of 8 ranks fits; GQA (8 query, 4 kv heads)."""
+    m = dict(n_layers=8, d_model=32, n_heads=8, n_kv_heads=4, d_ff=64, vocab_size=256, seq_len=16)
+    m.update(model)
+    return Config(
+        model=ModelConfig(**m),
+        parallel=ParallelConfig(dp=dp, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule,
+                                bucket_mb=0.01),  # tiny buckets: several per rank, overlap exercised
+        train=TrainConfig(steps=steps, global_batch=32, lr=1e-2, warmup_steps=2, eval_every=0,
+                          progress=False, threads_per_rank=1, seed=1234, grad_clip=1.0),
+        data=DataConfig())
+
+
+def tiny_dataset(n_tokens: int = 50_000, seed: int = 0) -> Dataset:
+    """Random bytes with some structure (a repeated phrase), so losses move but stay finite."""
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, 256, size=n_tokens, dtype=np.uint8)
+    phrase = np.frombuffer(b"def hybrid(dp, tp, pp): return dp * tp * pp\n", dtype=np.uint8)
+    for start in range(0, n_tokens - len(phrase), 200):
+        base[start:start + len(phrase)] = phrase
+    cut = int(n_tokens * 0.9)
+    return Dataset(train=base[:cut], val=base[cut:], source="tiny", n_files=1)
+
+
+@contextlib.contextmanager
+def injected(bug: str | None):
+    """Temporarily break one piece of the engine (the parity tests must then fail)."""
+    if bug is None:
+        yield
+        return
+    from .data_parallel import GradSync
+    from .pipeline.runtime import PipelineRunner
+    from .tensor_parallel import apply as tp_apply
+
+    if bug == "drop_tp_allreduce":  # row-parallel output not summed over tp
+        target, name, new = tp_apply, "reduce_from_tp", lambda x, group: x
+    elif bug == "sum_not_average_dp":  # dp gradients summed, not averaged
+        target, name = GradSync, "finish"
+        orig = GradSync.finish
+
+        def new(self):
+            orig(self)
+            if self.active:
+                for b in self.buckets:
+                    b.buffer.mul_(dist.get_world_size(self.group))
+    elif bug == "skip_microbatch":  # the last micro-batch never runs (on every stage)
+        target, name = PipelineRunner, "run"
+        orig_run = PipelineRunner.run
+
+        def new(self, actions, inputs, targets):
+            last = self.n_microbatches - 1
+            return orig_run(self, [a for a in actions if a.mb != last], inputs, targets)
+    else:
+        raise ValueError(f"unknown bug {bug!r}")
+    saved = getattr(target, name)
+    setattr(target, name, new)
+    try:
+        yield
+    finally:
+        setattr(target, name, saved)
+
+
+def run_case(cfg: Config, *, dataset: Dataset, bug: str | None = None) -> dict:
+    """Train ``cfg`` on this rank (inside an initialised world, or alone); return this rank's
+    losses, its gradients after step 1 and its parameters after training, as local shards."""
+    p = cfg.parallel
+    layout = Layout(p.dp, p.tp, p.pp, tuple(p.order.split("-")))
+    device = torch.device("cpu")
+    mesh = (build_mesh(layout, device, embed_group=cfg.model.tie_embeddings)
+            if layout.world_size > 1 else single_mesh(device))
+    grads = {}
+    pm_ref = {}
+
+    def after_backward(step, pm):
+        pm_ref["pm"] = pm
+        if step == 0:
+            grads.update(local_state(pm, grads=True))
+
+    with injected(bug):
+        history = train(cfg, mesh, dataset=dataset, callbacks=Callbacks(after_backward=after_backward))
+    return {"losses": [m["loss"] for m in history], "grad_norms": [m["grad_norm"] for m in history],
+            "max_in_flight": history[-1]["max_in_flight"], "pp_rank": mesh.pp_rank,
+            "grads": grads, "params": local_state(pm_ref["pm"])}
+
+
+def cases_worker(cases: list[tuple[str, Config, str | None]], out_dir: str) -> None:
+    """Run every case on the already-spawned ranks (one spawn, many layouts); each rank saves
+    its result to ``out_dir/<case>/<rank>.pt``."""
+    torch.set_num_threads(1)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    dataset = tiny_dataset()
+    rank = dist.get_rank()
+    try:
+        for name, cfg, bug in cases:
+            result = run_case(cfg, dataset=dataset, bug=bug)
+            folder = Path(out_dir, name)
+            folder.mkdir(parents=True, exist_ok=True)
+            torch.save(result, folder / f"{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def load_case(out_dir: str, name: str) -> dict:
+    """Merge the per-rank results of a case: losses from rank 0, full grads and params."""
+    files = sorted(Path(out_dir, name).glob("*.pt"), key=lambda f: int(f.stem))
+    parts = [torch.load(f, weights_only=False) for f in files]
+    return {"losses": parts[0]["losses"], "grad_norms": parts[0]["grad_norms"],
+            "max_in_flight": {r: p["max_in_flight"] for r, p in enumerate(parts)},
+            "pp_rank": {r: p["pp_rank"] for r, p in enumerate(parts)},
+            "grads": assemble([p["grads"] for p in parts]),
+            "params": assemble([p["params"] for p in parts])}
+
+
+def reference(cfg: Config, dataset: Dataset | None = None) -> dict:
+    """The single-process run of ``cfg`` with dp=tp=pp=1 (same micro-batches, same everything)."""
+    one = replace(cfg, parallel=replace(cfg.parallel, dp=1, tp=1, pp=1))
+    r = run_case(one, dataset=dataset or tiny_dataset())
+    return {**r, "grads": assemble([r["grads"]]), "params": assemble([r["params"]])}
+
+
+def rel_err(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
+def max_rel_tensor_err(got: dict, ref: dict) -> tuple[float, str]:
+    """max over tensors of ||got - ref||_inf / ||ref||_inf, and the worst tensor's name."""
+    worst, where = 0.0, ""
+    if got.keys() != ref.keys():
+        raise AssertionError(f"parameter names differ: {sorted(got.keys() ^ ref.keys())}")
+    for k, r in ref.items():
+        e = ((got[k] - r).abs().max() / r.abs().max().clamp_min(1e-30)).item()
+        if e > worst:
+            worst, where = e, k
+    return worst, where

@@ -1,0 +1,171 @@
+"""The training loop: a plain function that reads top to bottom.
+
+One step = the pipeline schedule over this rank's micro-batches (forward, backward, and with
+pp=1 simply gradient accumulation), then the explicit gradient finalisation (dp all-reduce,
+tied-embedding sum), then one all-reduce of the step's scalars (gradient norm, loss), clipping
+and the AdamW update.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from . import data as data_mod
+from .config import Config, TrainConfig
+from .memory import peak_memory_bytes
+from .mesh import ParallelMesh
+from .parallelize import ParallelModel, build_optimizer, parallelize
+from .pipeline.runtime import PipelineRunner
+from .pipeline.schedules import Op, build as build_schedule
+
+
+def lr_at(step: int, t: TrainConfig) -> float:
+    """Linear warmup to ``lr`` then cosine decay to ``lr * min_lr_ratio`` at the last step."""
+    if step < t.warmup_steps:
+        return t.lr * (step + 1) / t.warmup_steps
+    span = max(1, t.steps - t.warmup_steps)
+    progress = min(1.0, (step - t.warmup_steps) / span)
+    floor = t.lr * t.min_lr_ratio
+    return floor + (t.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+@dataclass
+class Callbacks:
+    """Hooks for tests and tools; each is optional."""
+
+    after_backward: Callable[[int, ParallelModel], None] | None = None  # grads final, unclipped
+    on_metrics: Callable[[dict], None] | None = None
+
+
+def _all_reduce_scalars(values: list[float], mesh: ParallelMesh) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=mesh.device)
+    if dist.is_initialized() and mesh.layout.world_size > 1:
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def _local_rows(step: int, cfg: Config, mesh: ParallelMesh, tokens):
+    """This dp rank's rows of the layout-independent global batch, cut into micro-batches."""
+    t = cfg.train
+    batch = data_mod.global_batch(tokens, step, seed=t.seed, global_batch_size=t.global_batch,
+                                  seq_len=cfg.model.seq_len)
+    mbs = data_mod.microbatches(data_mod.shard_rows(batch, mesh.dp_rank, mesh.layout.dp),
+                                cfg.parallel.microbatches)
+    return [x.to(mesh.device) for x, _ in mbs], [y.to(mesh.device) for _, y in mbs]
+
+
+class Trainer:
+    """State of one run on one rank: model piece, optimizer, schedule, runner."""
+
+    def __init__(self, cfg: Config, mesh: ParallelMesh, dataset=None):
+        self.cfg, self.mesh = cfg, mesh
+        self.dataset = dataset if dataset is not None else data_mod.load_dataset(
+            cfg.data.path or None, seq_len=cfg.model.seq_len, val_fraction=cfg.data.val_fraction)
+        self.pm = parallelize(cfg, mesh)
+        self.opt = build_optimizer(self.pm, cfg)
+        p = cfg.parallel
+        sched = build_schedule(p.schedule, mesh.layout.pp, p.microbatches)
+        self.actions = sched[mesh.pp_rank]
+        self.eval_actions = [a for a in build_schedule("gpipe", mesh.layout.pp, p.microbatches)[mesh.pp_rank]
+                             if a.op in (Op.RECV_F, Op.FWD, Op.SEND_F)]
+        rows = cfg.train.global_batch // (p.dp * p.microbatches)
+        dtype = next(self.pm.module.parameters()).dtype
+        self.runner = PipelineRunner([self.pm], mesh, p.microbatches,
+                                     (rows, cfg.model.seq_len, cfg.model.d_model), dtype, self.pm.loss)
+        self.step = 0
+
+    def train_step(self, callbacks: Callbacks | None = None) -> dict:
+        cfg, mesh, pm = self.cfg, self.mesh, self.pm
+        t0 = time.perf_counter()
+        xs, ys = _local_rows(self.step, cfg, mesh, self.dataset.train)
+        pm.grad_sync.zero_grad()
+        st = self.runner.run(self.actions, xs, ys)
+        pm.finish_grads()
+        if callbacks and callbacks.after_backward:
+            callbacks.after_backward(self.step, pm)
+        sumsq = sum(torch.linalg.vector_norm(p.grad, dtype=torch.float64).item() ** 2
+                    for p in pm.counted_parameters())
+        loss = 0.0
+        if pm.is_last and mesh.tp_rank == 0:
+            total = None
+            for mb in sorted(st.losses):
+                total = st.losses[mb] if total is None else total + st.losses[mb]
+            loss = total.item()
+        sumsq, loss = _all_reduce_scalars([sumsq, loss], mesh)
+        dp = mesh.layout.dp
+        grad_norm, loss = math.sqrt(sumsq / dp), loss / dp
+        clip = cfg.train.grad_clip
+        if clip > 0 and grad_norm > clip:
+            coef = clip / (grad_norm + 1e-6)
+            for _, p in pm.named_parameters():
+                p.grad.mul_(coef)
+        lr = lr_at(self.step, cfg.train)
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        self.opt.step()
+        dt = time.perf_counter() - t0
+        self.step += 1
+        p = cfg.parallel
+        return {"step": self.step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
+                "step_time_s": dt,
+                "tokens_per_s": cfg.train.global_batch * cfg.model.seq_len / dt,
+                "max_mem_bytes": peak_memory_bytes(mesh.device),
+                "max_in_flight": st.max_in_flight,
+                "layout": {"dp": p.dp, "tp": p.tp, "pp": p.pp, "microbatches": p.microbatches,
+                           "schedule": p.schedule}}
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        cfg, mesh = self.cfg, self.mesh
+        total = 0.0
+        n = cfg.train.eval_batches
+        for i in range(n):
+            xs, ys = _local_rows(i, cfg, mesh, self.dataset.val)
+            st = self.runner.run(self.eval_actions, xs, ys)
+            if self.pm.is_last and mesh.tp_rank == 0:
+                total += sum(v.item() for v in st.losses.values())
+        (total,) = _all_reduce_scalars([total], mesh)
+        return total / (n * mesh.layout.dp)
+
+
+def train(cfg: Config, mesh: ParallelMesh, *, dataset=None, callbacks: Callbacks | None = None) -> list[dict]:
+    """Train ``cfg.train.steps`` steps on this rank; returns the per-step metrics (every rank)."""
+    trainer = Trainer(cfg, mesh, dataset)
+    t = cfg.train
+    is_rank0 = mesh.rank == 0
+    bar = None
+    if is_rank0 and t.progress:
+        from tqdm import tqdm
+        bar = tqdm(total=t.steps, desc="train", unit="step", dynamic_ncols=True)
+    sink = open(t.metrics, "w") if (is_rank0 and t.metrics) else None
+    history = []
+    try:
+        while trainer.step < t.steps:
+            m = trainer.train_step(callbacks)
+            last = trainer.step == t.steps
+            if t.eval_every and (trainer.step % t.eval_every == 0 or last):
+                m["val_loss"] = trainer.evaluate()
+            history.append(m)
+            if callbacks and callbacks.on_metrics:
+                callbacks.on_metrics(m)
+            if sink:
+                sink.write(json.dumps(m) + "\n")
+                sink.flush()
+            if bar is not None:
+                bar.update(1)
+                post = {"loss": f"{m['loss']:.4f}", "tok/s": f"{m['tokens_per_s']:.0f}"}
+                if "val_loss" in m:
+                    post["val"] = f"{m['val_loss']:.4f}"
+                bar.set_postfix(post)
+    finally:
+        if bar is not None:
+            bar.close()
+        if sink:
+            sink.close()
+    return history

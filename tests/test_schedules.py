@@ -1,0 +1,158 @@
+"""Pure tests of the pipeline schedules and of the simulator that validates and times them."""
+import pytest
+
+from hybridpar.pipeline.schedules import (
+    Action, Op, build, gpipe, in_flight, interleaved_1f1b, one_f_one_b, steps,
+)
+from hybridpar.pipeline.simulate import ScheduleError, simulate
+
+A = Action
+F, B = Op.FWD, Op.BWD
+SF, RF, SB, RB = Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B
+
+FLAT = [(name, p, m) for name in ("gpipe", "1f1b") for p in range(1, 9) for m in range(1, 13)]
+INTERLEAVED = [(p, c, m) for p in (2, 3, 4) for c in (2, 3) for m in range(p, 13, p)]
+
+
+def _compute(schedule, n_stages):
+    """(op, mb, virtual stage) -> count, over every rank."""
+    counts = {}
+    for r, acts in enumerate(schedule):
+        for a in acts:
+            if not a.op.is_comm:
+                key = (a.op, a.mb, a.chunk * n_stages + r)
+                counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def _check_dataflow(result, n_stages, n_chunks):
+    """Each F starts after the previous virtual stage's F ended, each B after the next one's B."""
+    last = n_stages * n_chunks - 1
+    t = {(e.action.op, e.action.mb, e.action.chunk * n_stages + e.rank): e
+         for e in result.events if not e.action.op.is_comm}
+    for (op, mb, v), e in t.items():
+        before = (F, mb, v - 1) if op is F else ((F, mb, v) if v == last else (B, mb, v + 1))
+        if op is F and v == 0:
+            continue
+        assert e.start >= t[before].end - 1e-9, (op, mb, v)
+
+
+@pytest.mark.parametrize("name,p,m", FLAT)
+def test_flat_schedules_run_and_match_closed_form(name, p, m):
+    schedule = build(name, p, m)
+    result = simulate(schedule, p)
+    assert _compute(schedule, p) == {(op, mb, v): 1 for op in (F, B) for mb in range(m)
+                                     for v in range(p)}
+    _check_dataflow(result, p, 1)
+    assert result.makespan == pytest.approx((m + p - 1) * 3)
+    assert result.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
+    assert result.busy == pytest.approx([3.0 * m] * p)
+    if name == "gpipe":
+        assert result.max_in_flight == (m,) * p
+    else:
+        assert all(k <= min(p - s, m) for s, k in enumerate(result.max_in_flight))
+        assert result.max_in_flight[0] <= p
+
+
+@pytest.mark.parametrize("p,c,m", INTERLEAVED)
+def test_interleaved_runs_and_matches_megatron_bubble(p, c, m):
+    schedule = interleaved_1f1b(p, m, c)
+    result = simulate(schedule, p, c)
+    assert _compute(schedule, p) == {(op, mb, v): 1 for op in (F, B) for mb in range(m)
+                                     for v in range(p * c)}
+    _check_dataflow(result, p, c)
+    # Chunks are 1/c of a stage: time each at F = 1/c, B = 2/c so the ideal time is 3 * M.
+    timed = simulate(schedule, p, c, duration=lambda r, a: (2.0 if a.op is B else 1.0) / c)
+    ideal = 3.0 * m
+    # Megatron's closed form: bubble / ideal = (p - 1) / (v * M); the executor reproduces it.
+    assert (timed.makespan - ideal) / ideal == pytest.approx((p - 1) / (c * m))
+    assert timed.bubble_fraction == pytest.approx(result.bubble_fraction)
+    assert result.bubble_fraction < simulate(one_f_one_b(p, m), p).bubble_fraction
+    # Megatron's activation bound: the warmup forwards plus the one of the 1F1B step.
+    for s, k in enumerate(result.max_in_flight):
+        assert k == min((p - s - 1) * 2 + (c - 1) * p + 1, m * c)
+
+
+def test_interleaved_with_one_chunk_is_1f1b():
+    assert interleaved_1f1b(4, 6, 1) == one_f_one_b(4, 6)
+    assert build("interleaved", 4, 8, 1) == build("1f1b", 4, 8)
+
+
+def test_comm_time_delays_each_hop():
+    result = simulate(gpipe(2, 1), 2, comm_time=lambda r, a: 0.5)
+    assert result.makespan == pytest.approx(1 + 0.5 + 1 + 2 + 0.5 + 2)
+    by_action = {(e.rank, str(e.action)): e for e in result.events}
+    assert by_action[1, "RECV_F0"].end == pytest.approx(1.5)
+    assert by_action[0, "B0"].start == pytest.approx(5.0)
+
+
+def test_action_str_steps_and_in_flight():
+    names = [str(a) for a in (A(F, 3), A(B, 1), A(SF, 3), A(F, 3, 1))]
+    assert names == ["F3", "B1", "SEND_F3", "F3c1"]
+    acts = one_f_one_b(3, 4)[1]
+    assert [len(s) for s in steps([A(RF, 0), A(F, 0), A(SF, 0), A(RF, 1), A(F, 1)])] == [1, 1, 2, 1]
+    assert in_flight(acts) == 2
+    assert in_flight(gpipe(3, 4)[0]) == 4
+
+
+def test_1f1b_pairs_send_forward_with_recv_backward():
+    batches = [tuple(map(str, s)) for s in steps(one_f_one_b(3, 4)[1]) if s[0].op.is_comm]
+    assert ("SEND_F1", "RECV_B0") in batches and ("SEND_B0", "RECV_F2") in batches
+
+
+@pytest.mark.parametrize("call,words", [
+    (lambda: gpipe(0, 4), "n_stages=0"),
+    (lambda: one_f_one_b(2, -1), "n_microbatches=-1"),
+    (lambda: interleaved_1f1b(4, 6, 2), "multiple of n_stages=4"),
+    (lambda: interleaved_1f1b(1, 4, 2), "n_stages >= 2"),
+    (lambda: build("zero-bubble", 2, 4), "gpipe, 1f1b, interleaved"),
+    (lambda: build("1f1b", 2, 4, n_chunks=2), "n_chunks=2"),
+])
+def test_bad_arguments_are_named(call, words):
+    with pytest.raises(ValueError, match=words):
+        call()
+
+
+# Hand-made two-stage schedules, one micro-batch unless stated; each breaks one rule.
+GOOD0 = [A(F, 0), A(SF, 0), A(RB, 0), A(B, 0)]
+GOOD1 = [A(RF, 0), A(F, 0), A(B, 0), A(SB, 0)]
+
+
+@pytest.mark.parametrize("schedule,words", [
+    ([GOOD0[:-1], GOOD1], "missing B0 on rank 0"),
+    ([[A(F, 0), A(SF, 0), A(F, 1), A(SF, 1), A(RB, 0), A(B, 0), A(RB, 1), A(B, 1)],
+      [A(RF, 1), A(RF, 0), A(F, 0), A(F, 1), A(B, 0), A(SB, 0), A(B, 1), A(SB, 1)]],
+     "FIFO order violation on link rank 0 -> rank 1"),
+    ([[A(F, 0), A(RB, 0), A(B, 0), A(SF, 0)], GOOD1], "deadlock: rank 0 blocked in batch "
+     r"\[RECV_B0\] waiting for rank 1 to reach SEND_B0; rank 1 blocked in batch \[RECV_F0\]"),
+    ([GOOD0, [A(RF, 0), A(F, 0), A(B, 0)]], "unmatched RECV_B0 on rank 0"),
+    ([GOOD0 + [A(SF, 0)], GOOD1], "SEND_F0 on rank 0 is duplicated"),
+    ([[A(B, 0), A(F, 0), A(SF, 0), A(RB, 0)], GOOD1], "B before its F"),
+    ([GOOD0, [A(F, 0), A(RF, 0), A(B, 0), A(SB, 0)]], "F0 on rank 1 comes before RECV_F0"),
+    ([[A(RF, 0)] + GOOD0, GOOD1], "virtual stage 0 of 0..1 has no RECV_F"),
+    ([GOOD0], "schedule has 1 ranks but n_stages=2"),
+])
+def test_validator_rejects(schedule, words):
+    with pytest.raises(ScheduleError, match=words):
+        simulate(schedule, 2)
+
+
+def test_valid_hand_made_schedule_passes():
+    assert simulate([GOOD0, GOOD1], 2).makespan == pytest.approx(6.0)
+
+
+def test_interleaved_needs_megatron_comm_placement():
+    """Receiving right before each compute (fine for 1F1B) deadlocks the interleaved ring: the
+    executor sees it, which is why the generator prefetches receives as Megatron does."""
+    p, c = 4, 2
+    naive = []
+    for r, acts in enumerate(interleaved_1f1b(p, 8, c)):
+        out = []
+        for a in (a for a in acts if not a.op.is_comm):
+            v, fwd = a.chunk * p + r, a.op is F
+            recv, send = (RF, SF) if fwd else (RB, SB)
+            has_recv, has_send = (v > 0, v < p * c - 1) if fwd else (v < p * c - 1, v > 0)
+            out += [A(recv, a.mb, a.chunk)] * has_recv + [a] + [A(send, a.mb, a.chunk)] * has_send
+        naive.append(out)
+    with pytest.raises(ScheduleError, match="deadlock: rank 0 blocked"):
+        simulate(naive, p, c)
