@@ -111,7 +111,9 @@ def parallelize(cfg: Config, mesh: ParallelMesh) -> ParallelModel:
     layer_ids = split_pipeline(model, mesh.pp_rank, split)
     tp_dims = apply_tp(model, mesh)
 
-    model.to_empty(device=mesh.device)
+    model.to_empty(device=mesh.device)  # allocates each parameter anew: re-tie below
+    if m.tie_embeddings and model.tok_emb is not None and model.lm_head is not None:
+        model.lm_head.weight = model.tok_emb.weight
     model.init_rope(mesh.device)
     specs = {}
     with torch.no_grad():
