@@ -29,11 +29,11 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    n_layers: int = _f(4, "number of transformer blocks")
-    d_model: int = _f(128, "hidden size")
-    n_heads: int = _f(4, "attention (query) heads")
-    n_kv_heads: int = _f(2, "key/value heads (grouped-query attention); must divide n_heads")
-    d_ff: int = _f(384, "SwiGLU hidden size")
+    n_layers: int = _f(6, "number of transformer blocks")
+    d_model: int = _f(256, "hidden size")
+    n_heads: int = _f(8, "attention (query) heads")
+    n_kv_heads: int = _f(4, "key/value heads (grouped-query attention); must divide n_heads")
+    d_ff: int = _f(768, "SwiGLU hidden size")
     vocab_size: int = _f(256, "vocabulary size (256 for the byte-level data)")
     seq_len: int = _f(128, "tokens per sequence")
     tie_embeddings: bool = _f(False, "share the input embedding and the output head")
@@ -64,8 +64,8 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = _f(300, "optimizer steps")
-    global_batch: int = _f(16, "sequences per optimizer step, over all dp replicas")
+    steps: int = _f(250, "optimizer steps")
+    global_batch: int = _f(32, "sequences per optimizer step, over all dp replicas")
     lr: float = _f(3e-3, "peak learning rate")
     min_lr_ratio: float = _f(0.1, "final learning rate as a fraction of lr (cosine decay)")
     warmup_steps: int = _f(20, "linear warmup steps")
@@ -75,7 +75,7 @@ class TrainConfig:
     eps: float = _f(1e-8, "AdamW epsilon")
     grad_clip: float = _f(1.0, "clip the global gradient norm to this; 0 disables")
     seed: int = _f(0, "seed of initialisation and data order (layout-independent)")
-    eval_every: int = _f(100, "validation every N steps; 0 disables")
+    eval_every: int = _f(50, "validation every N steps; 0 disables")
     eval_batches: int = _f(4, "validation batches (of global_batch sequences)")
     metrics: str = _f("", "rank 0 writes one JSON line per step here")
     device: str = _f("auto", "cpu, cuda or auto", choices=("auto", "cpu", "cuda"))
