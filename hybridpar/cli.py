@@ -58,7 +58,7 @@ def _train_worker(cfg: Config) -> dict | None:
         history = train(cfg, mesh)
     finally:
         teardown()
-    return history[-1] if history else None
+    return history[-1] if history and mesh.rank == 0 else None
 
 
 def run_train(cfg: Config) -> dict | None:
@@ -68,7 +68,7 @@ def run_train(cfg: Config) -> dict | None:
     if under_launcher() or cfg.parallel.world_size == 1:
         return _train_worker(cfg)
     validate(cfg)
-    return spawn(_train_worker, cfg.parallel.world_size, cfg)[0]
+    return spawn(_train_worker, cfg.parallel.world_size, cfg).get(0)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,13 +19,14 @@ from .parallelize import assemble, local_state
 from .train import Callbacks, train
 
 
-def tiny_config(*, dp=1, tp=1, pp=1, schedule="1f1b", microbatches=4, steps=5, **model) -> Config:
+def tiny_config(*, dp=1, tp=1, pp=1, schedule="1f1b", microbatches=4, steps=5, order="tp-dp-pp",
+                **model) -> Config:
     """8 small layers so every factorisation of 8 ranks fits; GQA (8 query, 4 kv heads)."""
     m = dict(n_layers=8, d_model=32, n_heads=8, n_kv_heads=4, d_ff=64, vocab_size=256, seq_len=16)
     m.update(model)
     return Config(
         model=ModelConfig(**m),
-        parallel=ParallelConfig(dp=dp, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule,
+        parallel=ParallelConfig(dp=dp, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule, order=order,
                                 bucket_mb=0.01),  # tiny buckets: several per rank, overlap exercised
         train=TrainConfig(steps=steps, global_batch=32, lr=1e-2, warmup_steps=2, eval_every=0,
                           progress=False, threads_per_rank=1, seed=1234, grad_clip=1.0),

@@ -41,6 +41,7 @@ def _cases():
     cases["2x2x2-1f1b-tied"] = (tiny_config(dp=2, tp=2, pp=2, tie_embeddings=True), None)
     cases["1x2x4-gpipe-tied"] = (tiny_config(tp=2, pp=4, schedule="gpipe", tie_embeddings=True), None)
     cases["2x1x4-1f1b-uneven"] = (tiny_config(dp=2, pp=4, n_layers=6), None)  # split 2,2,1,1
+    cases["2x2x2-1f1b-order-pp-dp-tp"] = (tiny_config(dp=2, tp=2, pp=2, order="pp-dp-tp"), None)
     cases["2x2x2-1f1b-again"] = (tiny_config(dp=2, tp=2, pp=2), None)
     cases["bug-drop_tp_allreduce"] = (tiny_config(dp=2, tp=2, pp=2), "drop_tp_allreduce")
     cases["bug-sum_not_average_dp"] = (tiny_config(dp=4, tp=2, pp=1), "sum_not_average_dp")

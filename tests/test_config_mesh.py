@@ -1,0 +1,88 @@
+"""Config loading/validation and the rank arithmetic of the mesh (pure, no process group)."""
+from __future__ import annotations
+
+import pytest
+
+from hybridpar.config import Config, ConfigError, load_config, pp_split, validate
+from hybridpar.mesh import Layout
+
+
+def test_toml_then_overrides(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('[model]\nn_layers = 6\n[parallel]\ndp = 2\ntp = 2\n[train]\nlr = 1e-3\n')
+    cfg = load_config(str(f), ["--model.n_layers=8", "train.steps=7", "--parallel.schedule=gpipe"])
+    assert cfg.model.n_layers == 8 and cfg.parallel.tp == 2 and cfg.train.lr == 1e-3
+    assert cfg.train.steps == 7 and cfg.parallel.schedule == "gpipe"
+    assert cfg.model.d_model == Config().model.d_model  # untouched fields keep defaults
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["--model.n_layer=6"], "did you mean 'n_layers'"),
+    (["--modle.n_layers=6"], "did you mean 'model'"),
+    (["--model.n_layers=six"], "model.n_layers='six' is not an integer"),
+    (["--parallel.schedule=zb"], "choose one of gpipe, 1f1b"),
+    (["--train.progress=maybe"], "not a boolean"),
+    (["model.n_layers"], "--section.field=value"),
+])
+def test_bad_overrides_name_the_field(overrides, words):
+    with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        load_config(None, overrides)
+
+
+def test_toml_wrong_type_is_refused(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('[model]\nn_layers = "six"\n')
+    with pytest.raises(ConfigError, match="model.n_layers must be int, got str"):
+        load_config(str(f))
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["--parallel.tp=3"], "parallel.tp=3 must divide model.n_heads=8; valid tp: 1, 2, 4"),
+    (["--model.n_kv_heads=3"], "model.n_kv_heads=3 must divide model.n_heads=8"),
+    (["--parallel.pp=7"], "parallel.pp=7 exceeds model.n_layers=6"),
+    (["--parallel.microbatches=3"], "train.global_batch=32 must be divisible by dp*microbatches=2*3=6"),
+    (["--model.d_model=0"], "model.d_model=0 must be at least 1"),
+    (["--train.steps=-1"], "train.steps=-1 must not be negative"),
+    (["--parallel.order=tp-dp"], "parallel.order='tp-dp' must name dp, tp and pp once each"),
+    (["--parallel.pp=2", "--parallel.pp_split=5,2"], "summing to n_layers=6"),
+])
+def test_validation_messages(overrides, words):
+    with pytest.raises(ConfigError) as e:
+        validate(load_config(None, overrides))
+    assert words in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_world_size_mismatch_message():
+    with pytest.raises(ConfigError, match="launcher started 4 processes but dp\\*tp\\*pp = 2\\*1\\*1 = 2"):
+        validate(Config(), world_size=4)
+
+
+def test_balanced_and_uneven_pipeline_split():
+    assert pp_split(8, 4) == [2, 2, 2, 2]
+    assert pp_split(6, 4) == [2, 2, 1, 1]
+    assert pp_split(6, 2, "4,2") == [4, 2]
+
+
+@pytest.mark.parametrize("order", [("tp", "dp", "pp"), ("dp", "tp", "pp"), ("pp", "tp", "dp")])
+def test_layout_coords_roundtrip_and_groups(order):
+    lay = Layout(dp=2, tp=2, pp=2, order=order)
+    seen = set()
+    for r in range(8):
+        c = lay.coords(r)
+        assert lay.rank_of(**c) == r
+        seen.add(tuple(c.values()))
+    assert len(seen) == 8
+    for axis in ("dp", "tp", "pp"):
+        groups = lay.group_ranks(axis)
+        assert sorted(sum(groups, [])) == list(range(8))  # a partition of the ranks
+        for g in groups:  # members differ only along `axis`
+            others = {tuple(v for k, v in lay.coords(r).items() if k != axis) for r in g}
+            assert len(others) == 1 and len(g) == 2
+
+
+def test_default_order_puts_tp_on_neighbouring_ranks():
+    lay = Layout(dp=2, tp=4, pp=2)
+    assert lay.group_ranks("tp")[0] == [0, 1, 2, 3]
+    assert lay.group_ranks("dp")[0] == [0, 4]
+    assert lay.group_ranks("pp")[0] == [0, 8]
