@@ -52,7 +52,12 @@ class ParallelConfig:
     tp: int = _f(1, "tensor-parallel degree (Megatron column/row split)")
     pp: int = _f(1, "pipeline-parallel degree (stages)")
     microbatches: int = _f(1, "micro-batches per optimizer step on each dp replica")
-    schedule: str = _f("1f1b", "pipeline schedule", choices=("gpipe", "1f1b"))
+    schedule: str = _f("1f1b", "pipeline schedule", choices=("gpipe", "1f1b", "interleaved"))
+    virtual_stages: int = _f(1, "model chunks per pipeline rank (interleaved 1F1B; >1 needs schedule=interleaved)")
+    sequence_parallel: bool = _f(False, "Megatron-SP: norms and residuals sharded along the sequence inside tp")
+    zero1: bool = _f(False, "ZeRO-1: shard AdamW state over dp (reduce-scatter grads, all-gather params)")
+    recompute: str = _f("none", "activation recomputation", choices=("none", "selective", "full"))
+    grad_reduce_dtype: str = _f("fp32", "dtype of the dp gradient reduction", choices=("fp32", "bf16"))
     order: str = _f("tp-dp-pp", "rank order, innermost axis first (tp innermost = closest ranks)")
     pp_split: str = _f("", "layers per stage, e.g. '2,2,1,1'; empty = balanced")
     bucket_mb: float = _f(25.0, "data-parallel gradient bucket size in MiB")
@@ -79,6 +84,8 @@ class TrainConfig:
     eval_batches: int = _f(4, "validation batches (of global_batch sequences)")
     metrics: str = _f("", "rank 0 writes one JSON line per step here")
     device: str = _f("auto", "cpu, cuda or auto", choices=("auto", "cpu", "cuda"))
+    precision: str = _f("fp32", "compute dtype (fp32 master weights always); fp16 uses dynamic loss scaling",
+                        choices=("fp32", "bf16", "fp16"))
     threads_per_rank: int = _f(0, "torch threads per rank; 0 = cores / local ranks")
     progress: bool = _f(True, "show a progress bar on rank 0")
 
@@ -240,6 +247,24 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         if len(split) != p.pp or sum(split) != m.n_layers or min(split) < 1:
             raise ConfigError(f"parallel.pp_split={p.pp_split!r} must list pp={p.pp} positive "
                               f"layer counts summing to n_layers={m.n_layers}")
+    if p.virtual_stages < 1:
+        raise ConfigError(f"parallel.virtual_stages={p.virtual_stages} must be at least 1")
+    if (p.schedule == "interleaved") != (p.virtual_stages > 1):
+        raise ConfigError("parallel.schedule=interleaved and parallel.virtual_stages>1 go together; "
+                          f"got schedule={p.schedule}, virtual_stages={p.virtual_stages}")
+    if p.virtual_stages > 1:
+        if p.pp < 2:
+            raise ConfigError("parallel.schedule=interleaved needs parallel.pp >= 2")
+        if p.pp * p.virtual_stages > m.n_layers:
+            raise ConfigError(f"pp*virtual_stages = {p.pp}*{p.virtual_stages} exceeds model.n_layers="
+                              f"{m.n_layers}; each model chunk needs at least one layer")
+        if p.microbatches % p.pp:
+            raise ConfigError(f"parallel.microbatches={p.microbatches} must be a multiple of pp={p.pp} "
+                              f"for the interleaved schedule")
+        if p.pp_split:
+            raise ConfigError("parallel.pp_split is not supported with virtual_stages > 1")
+    if p.sequence_parallel and m.seq_len % p.tp:
+        raise ConfigError(f"parallel.sequence_parallel needs tp={p.tp} to divide model.seq_len={m.seq_len}")
     axes = p.order.split("-")
     if sorted(axes) != ["dp", "pp", "tp"]:
         raise ConfigError(f"parallel.order={p.order!r} must name dp, tp and pp once each, "

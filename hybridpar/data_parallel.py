@@ -1,6 +1,7 @@
-"""Bucketed gradient all-reduce over the dp group, overlapped with the last backward pass.
+"""Bucketed gradient reduction over the dp group, overlapped with the last backward pass,
+and the ZeRO-1 partitioning of the optimizer (Megatron's distributed optimizer).
 
-Gradients live in flat per-bucket buffers (``p.grad`` is a view), so a bucket is all-reduced
+Gradients live in flat per-bucket buffers (``p.grad`` is a view), so a bucket is reduced
 without a copy. Each parameter's gradient is accumulated once per micro-batch; a parameter is
 final when it has been accumulated ``n_accum`` times in this step. A bucket whose parameters are
 all final is launched asynchronously right away, in bucket order (the same order on every dp
@@ -8,6 +9,11 @@ rank, as Gloo and NCCL require), while backward continues on the remaining layer
 schedule knows nothing of this: ``finish()`` is the explicit synchronisation step after it.
 
 Result: grad = (1/dp) * sum over dp ranks of the local sum over micro-batches.
+
+ZeRO-1: bucket buffers are padded to a multiple of dp and rank r owns the contiguous slice r of
+each; gradients are reduce-scattered (on Gloo, which has no reduce-scatter, all-reduced: same
+values, more bytes), AdamW runs only on the owned slices (its state is 1/dp), and the updated
+slices are all-gathered into flat parameter buffers (parameters are views into them too).
 """
 from __future__ import annotations
 
@@ -21,10 +27,20 @@ from torch import nn
 @dataclass
 class Bucket:
     params: list[nn.Parameter]
-    buffer: torch.Tensor
+    grad: torch.Tensor                      # flat gradients (views: p.grad)
+    param_buf: torch.Tensor | None = None   # ZeRO-1: flat parameters (views: p.data)
     pending: int = 0
     handle: object | None = None
+    comm: torch.Tensor | None = None        # what is being reduced (a cast copy, or grad)
     launched: bool = False
+
+
+def _offsets(params: list[nn.Parameter]) -> list[int]:
+    out, off = [], 0
+    for p in params:
+        out.append(off)
+        off += p.numel()
+    return out
 
 
 @dataclass
@@ -32,14 +48,15 @@ class GradSync:
     buckets: list[Bucket]
     group: object | None
     n_accum: int
+    zero1: bool = False
+    reduce_dtype: torch.dtype | None = None
     counts: dict[int, int] = field(default_factory=dict)
     bucket_of: dict[int, int] = field(default_factory=dict)
     next_launch: int = 0
-    overlap: bool = True
 
     @classmethod
-    def build(cls, params: list[nn.Parameter], *, group, n_accum: int,
-              bucket_bytes: int, overlap: bool = True) -> "GradSync":
+    def build(cls, params: list[nn.Parameter], *, group, n_accum: int, bucket_bytes: int,
+              zero1: bool = False, reduce_dtype: torch.dtype | None = None) -> "GradSync":
         # reverse registration order ~ the order gradients become ready in backward
         order = [p for p in reversed(params) if p.requires_grad]
         groups: list[list[nn.Parameter]] = [[]]
@@ -51,22 +68,26 @@ class GradSync:
                 size = 0
             groups[-1].append(p)
             size += nbytes
+        dp = dist.get_world_size(group) if group is not None else 1
         buckets = []
-        for ps in groups:
-            if not ps:
-                continue
+        for ps in [g for g in groups if g]:
+            n = sum(p.numel() for p in ps)
+            padded = -(-n // dp) * dp
             dtype, device = ps[0].dtype, ps[0].device
-            buf = torch.zeros(sum(p.numel() for p in ps), dtype=dtype, device=device)
-            offset = 0
-            for p in ps:
-                p.grad = buf[offset:offset + p.numel()].view_as(p)
-                offset += p.numel()
-            buckets.append(Bucket(ps, buf))
-        sync = cls(buckets, group, n_accum, overlap=overlap)
+            b = Bucket(ps, torch.zeros(padded, dtype=dtype, device=device))
+            if zero1:
+                b.param_buf = torch.zeros(padded, dtype=dtype, device=device)
+            for p, off in zip(ps, _offsets(ps)):
+                p.grad = b.grad[off:off + p.numel()].view_as(p)
+                if zero1:
+                    b.param_buf[off:off + p.numel()].copy_(p.detach().reshape(-1))
+                    p.data = b.param_buf[off:off + p.numel()].view_as(p)
+            buckets.append(b)
+        sync = cls(buckets, group, n_accum, zero1=zero1, reduce_dtype=reduce_dtype)
         for i, b in enumerate(buckets):
             for p in b.params:
                 sync.bucket_of[id(p)] = i
-                if sync.active and overlap:
+                if sync.active:
                     p.register_post_accumulate_grad_hook(sync._on_grad)
         sync.zero_grad()
         return sync
@@ -75,10 +96,14 @@ class GradSync:
     def active(self) -> bool:
         return self.group is not None and dist.get_world_size(self.group) > 1
 
+    @property
+    def dp(self) -> int:
+        return dist.get_world_size(self.group) if self.active else 1
+
     def zero_grad(self) -> None:
         for b in self.buckets:
-            b.buffer.zero_()
-            b.pending, b.handle, b.launched = len(b.params), None, False
+            b.grad.zero_()
+            b.pending, b.handle, b.comm, b.launched = len(b.params), None, None, False
         self.counts.clear()
         self.next_launch = 0
 
@@ -90,13 +115,27 @@ class GradSync:
             self._launch_ready()
 
     def _launch(self, b: Bucket) -> None:
-        b.handle = dist.all_reduce(b.buffer, group=self.group, async_op=True)
+        b.comm = b.grad if self.reduce_dtype is None else b.grad.to(self.reduce_dtype)
+        if self.zero1 and dist.get_backend(self.group) == "nccl":
+            out = b.comm.chunk(self.dp)[dist.get_rank(self.group)].clone()
+            b.handle = dist.reduce_scatter_tensor(out, b.comm, group=self.group, async_op=True)
+            b.comm = out
+        else:
+            b.handle = dist.all_reduce(b.comm, group=self.group, async_op=True)
         b.launched = True
 
     def _launch_ready(self) -> None:
         while self.next_launch < len(self.buckets) and self.buckets[self.next_launch].pending == 0:
             self._launch(self.buckets[self.next_launch])
             self.next_launch += 1
+
+    def shard_range(self, b: Bucket) -> tuple[int, int]:
+        """The slice of a bucket this dp rank owns under ZeRO-1 (everything otherwise)."""
+        if not (self.zero1 and self.active):
+            return 0, b.grad.numel()
+        size = b.grad.numel() // self.dp
+        r = dist.get_rank(self.group)
+        return r * size, (r + 1) * size
 
     def finish(self) -> None:
         """Wait for every bucket (launching those never completed, e.g. unused parameters)
@@ -106,7 +145,30 @@ class GradSync:
         for b in self.buckets:
             if not b.launched:
                 self._launch(b)
-        world = dist.get_world_size(self.group)
         for b in self.buckets:
             b.handle.wait()
-            b.buffer.div_(world)
+            if b.comm is not b.grad:
+                if b.comm.numel() == b.grad.numel():
+                    b.grad.copy_(b.comm)
+                else:
+                    lo, hi = self.shard_range(b)
+                    b.grad[lo:hi].copy_(b.comm)
+            b.grad.div_(self.dp)
+
+    def segments(self):
+        """ZeRO-1: (param, flat param slice, flat grad slice) for each owned piece of a param."""
+        for b in self.buckets:
+            lo, hi = self.shard_range(b)
+            for p, off in zip(b.params, _offsets(b.params)):
+                a, e = max(lo, off), min(hi, off + p.numel())
+                if a < e:
+                    yield p, b.param_buf[a:e], b.grad[a:e]
+
+    def gather_params(self) -> None:
+        """ZeRO-1, after the optimizer step: every rank gets every updated slice."""
+        if not (self.zero1 and self.active):
+            return
+        for b in self.buckets:
+            lo, hi = self.shard_range(b)
+            dist.all_gather(list(b.param_buf.chunk(self.dp)), b.param_buf[lo:hi].clone(),
+                            group=self.group)

@@ -123,13 +123,16 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.tok_emb(x) if self.tok_emb is not None else x
-        for layer in self.layers.values():
-            h = layer(h, self.rope_cos, self.rope_sin)
-        if self.norm is not None:
-            h = self.norm(h)
-        if self.lm_head is not None:
-            h = self.lm_head(h)
+        return self.forward_chunk(x, list(self.layers.keys()), embed=self.tok_emb is not None,
+                                  head=self.lm_head is not None)
+
+    def forward_chunk(self, x: torch.Tensor, layer_keys: list[str], *, embed: bool, head: bool) -> torch.Tensor:
+        """Run some of the layers (an interleaved pipeline rank holds several separate runs)."""
+        h = self.tok_emb(x) if embed else x
+        for key in layer_keys:
+            h = self.layers[key](h, self.rope_cos, self.rope_sin)
+        if head:
+            h = self.lm_head(self.norm(h))
         return h
 
 

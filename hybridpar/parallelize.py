@@ -8,7 +8,7 @@ single process.
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,23 @@ from .tensor_parallel.layers import cross_entropy
 
 
 @dataclass
+class Chunk:
+    """One contiguous run of layers executed as a pipeline virtual stage on this rank."""
+
+    model: Transformer
+    layer_keys: list[str]
+    embed: bool
+    head: bool
+    autocast_dtype: torch.dtype | None = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.autocast_dtype is None:
+            return self.model.forward_chunk(x, self.layer_keys, embed=self.embed, head=self.head)
+        with torch.autocast(x.device.type, dtype=self.autocast_dtype):
+            return self.model.forward_chunk(x, self.layer_keys, embed=self.embed, head=self.head)
+
+
+@dataclass
 class ParallelModel:
     """This rank's piece of the model and what is needed to train and save it."""
 
@@ -31,6 +48,8 @@ class ParallelModel:
     specs: dict[str, ShardSpec]  # local parameter name -> place in the unsharded tensor
     layer_ids: list[int]
     grad_sync: GradSync
+    chunks: list[Chunk] = field(default_factory=list)  # virtual stages, in schedule chunk order
+    sequence_parallel: bool = False
 
     @property
     def is_first(self) -> bool:
@@ -64,28 +83,69 @@ class ParallelModel:
                 continue
             yield p
 
+    def grad_sumsq(self) -> tuple[float, int]:
+        """This rank's share of the squared global gradient norm, and how many dp replicas
+        count it (the world all-reduce of the shares is divided by that)."""
+        counted = {id(p) for p in self.counted_parameters()}
+        if self.grad_sync.zero1:
+            total = sum(torch.linalg.vector_norm(g, dtype=torch.float64).item() ** 2
+                        for p, _, g in self.grad_sync.segments() if id(p) in counted)
+            return total, 1
+        total = sum(torch.linalg.vector_norm(p.grad, dtype=torch.float64).item() ** 2
+                    for _, p in self.named_parameters() if id(p) in counted)
+        return total, self.mesh.layout.dp
+
     def finish_grads(self) -> None:
         """After the schedule: dp all-reduce, then sum the tied embedding's two pipeline copies."""
         self.grad_sync.finish()
+        if self.sequence_parallel and self.mesh.group("tp") is not None:
+            # each tp rank saw only its part of the sequence in norms: sum their weight grads
+            for name, p in self.module.named_parameters():
+                if self.specs[name].dim is None:
+                    dist.all_reduce(p.grad, group=self.mesh.group("tp"))
         if self.mesh.embed_group is not None:
             name = "tok_emb.weight" if self.is_first else "lm_head.weight"
             p = dict(self.module.named_parameters())[name]
             dist.all_reduce(p.grad, group=self.mesh.embed_group)
 
 
-def split_pipeline(model: Transformer, pp_rank: int, split: list[int]) -> list[int]:
-    """Keep only stage ``pp_rank``'s layers; first stage embeds, last stage norms and projects."""
-    start = sum(split[:pp_rank])
-    keep = list(range(start, start + split[pp_rank]))
+def split_pipeline(model: Transformer, pp_rank: int, pp: int, split: list[int]) -> list[list[int]]:
+    """Keep only this rank's layers; returns the layer ids of each of its chunks.
+
+    ``split`` gives layers per virtual stage (pp * chunks of them); virtual stage c*pp + r lives
+    on rank r as its chunk c (Megatron's interleaving). The first virtual stage embeds, the last
+    norms and projects."""
+    n_chunks = len(split) // pp
+    starts = [sum(split[:v]) for v in range(len(split))]
+    chunks = [list(range(starts[c * pp + pp_rank], starts[c * pp + pp_rank] + split[c * pp + pp_rank]))
+              for c in range(n_chunks)]
+    keep = {i for ids in chunks for i in ids}
     for key in list(model.layers.keys()):
         if int(key) not in keep:
             del model.layers[key]
     if pp_rank != 0:
         model.tok_emb = None
-    if pp_rank != len(split) - 1:
+    if pp_rank != pp - 1:
         model.norm = None
         model.lm_head = None
-    return keep
+    return chunks
+
+
+def apply_recompute(model: Transformer, mode: str) -> None:
+    """Recompute activations in backward instead of storing them: ``full`` keeps only each
+    block's input, ``selective`` drops the attention core (softmax(QK^T)V, the largest and
+    cheapest-to-recompute activations). Instance-level forward override keeps parameter names."""
+    from torch.utils.checkpoint import checkpoint
+
+    def wrap(module: nn.Module, fn_name: str) -> None:
+        fn = getattr(module, fn_name)
+        setattr(module, fn_name, lambda *args: checkpoint(fn, *args, use_reentrant=False))
+
+    for block in model.layers.values():
+        if mode == "full":
+            wrap(block, "forward")
+        elif mode == "selective":
+            wrap(block.attn, "core")
 
 
 def _init_key(cfg: ModelConfig, name: str) -> str:
@@ -107,9 +167,11 @@ def parallelize(cfg: Config, mesh: ParallelMesh) -> ParallelModel:
         model = Transformer(m)
     full_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     full_shapes["lm_head.weight"] = (m.vocab_size, m.d_model)
-    split = pp_split(m.n_layers, mesh.layout.pp, cfg.parallel.pp_split)
-    layer_ids = split_pipeline(model, mesh.pp_rank, split)
-    tp_dims = apply_tp(model, mesh)
+    p = cfg.parallel
+    split = pp_split(m.n_layers, mesh.layout.pp * p.virtual_stages, p.pp_split)
+    chunk_ids = split_pipeline(model, mesh.pp_rank, mesh.layout.pp, split)
+    tp_dims = apply_tp(model, mesh, sequence_parallel=p.sequence_parallel)
+    apply_recompute(model, p.recompute)
 
     model.to_empty(device=mesh.device)  # allocates each parameter anew: re-tie below
     if m.tie_embeddings and model.tok_emb is not None and model.lm_head is not None:
@@ -117,23 +179,37 @@ def parallelize(cfg: Config, mesh: ParallelMesh) -> ParallelModel:
     model.init_rope(mesh.device)
     specs = {}
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, param in model.named_parameters():
             dim = tp_dims.get(name)
             spec = ShardSpec(full_shapes[name], dim, mesh.tp_rank if dim is not None else 0,
                              mesh.layout.tp if dim is not None else 1, _init_key(m, name))
-            p.copy_(spec.take(init_full(m, spec.init_key, spec.full_shape, cfg.train.seed)))
+            param.copy_(spec.take(init_full(m, spec.init_key, spec.full_shape, cfg.train.seed)))
             specs[name] = spec
-    params = [p for _, p in model.named_parameters()]
-    sync = GradSync.build(params, group=mesh.group("dp"), n_accum=cfg.parallel.microbatches,
-                          bucket_bytes=int(cfg.parallel.bucket_mb * 2**20))
-    return ParallelModel(model, mesh, specs, layer_ids, sync)
+    params = [q for _, q in model.named_parameters()]
+    sync = GradSync.build(params, group=mesh.group("dp"), n_accum=p.microbatches,
+                          bucket_bytes=int(p.bucket_mb * 2**20), zero1=p.zero1,
+                          reduce_dtype=torch.bfloat16 if p.grad_reduce_dtype == "bf16" else None)
+    amp = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.train.precision]
+    last = len(chunk_ids) - 1
+    chunks = [Chunk(model, [str(i) for i in ids], embed=mesh.pp_rank == 0 and c == 0,
+                    head=mesh.pp_rank == mesh.layout.pp - 1 and c == last, autocast_dtype=amp)
+              for c, ids in enumerate(chunk_ids)]
+    return ParallelModel(model, mesh, specs, sorted(i for ids in chunk_ids for i in ids), sync,
+                         chunks, p.sequence_parallel)
 
 
 def build_optimizer(pm: ParallelModel, cfg: Config) -> torch.optim.Optimizer:
-    """AdamW; decay on matrices (dim >= 2) only. Elementwise, so sharding it changes nothing."""
+    """AdamW; decay on matrices (dim >= 2) only. Elementwise, so sharding it changes nothing:
+    under ZeRO-1 it runs on this dp rank's flat slices of the parameters (views into them)."""
     decay, no_decay = [], []
-    for _, p in pm.named_parameters():
-        (decay if p.dim() >= 2 else no_decay).append(p)
+    if pm.grad_sync.zero1:
+        for p, pslice, gslice in pm.grad_sync.segments():
+            t = pslice.detach()
+            t.grad = gslice
+            (decay if p.dim() >= 2 else no_decay).append(t)
+    else:
+        for _, p in pm.named_parameters():
+            (decay if p.dim() >= 2 else no_decay).append(p)
     t = cfg.train
     return torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
                               {"params": no_decay, "weight_decay": 0.0}],

@@ -136,7 +136,9 @@ def load_case(out_dir: str, name: str) -> dict:
 
 def reference(cfg: Config, dataset: Dataset | None = None) -> dict:
     """The single-process run of ``cfg`` with dp=tp=pp=1 (same micro-batches, same everything)."""
-    one = replace(cfg, parallel=replace(cfg.parallel, dp=1, tp=1, pp=1))
+    sched = "1f1b" if cfg.parallel.schedule == "interleaved" else cfg.parallel.schedule
+    one = replace(cfg, parallel=replace(cfg.parallel, dp=1, tp=1, pp=1, virtual_stages=1,
+                                        schedule=sched))
     r = run_case(one, dataset=dataset or tiny_dataset())
     return {**r, "grads": assemble([r["grads"]]), "params": assemble([r["params"]])}
 

@@ -22,7 +22,7 @@ from .memory import peak_memory_bytes
 from .mesh import ParallelMesh
 from .parallelize import ParallelModel, build_optimizer, parallelize
 from .pipeline.runtime import PipelineRunner
-from .pipeline.schedules import Op, build as build_schedule
+from .pipeline.schedules import build as build_schedule, forward_only
 
 
 def lr_at(step: int, t: TrainConfig) -> float:
@@ -70,14 +70,14 @@ class Trainer:
         self.pm = parallelize(cfg, mesh)
         self.opt = build_optimizer(self.pm, cfg)
         p = cfg.parallel
-        sched = build_schedule(p.schedule, mesh.layout.pp, p.microbatches)
-        self.actions = sched[mesh.pp_rank]
-        self.eval_actions = [a for a in build_schedule("gpipe", mesh.layout.pp, p.microbatches)[mesh.pp_rank]
-                             if a.op in (Op.RECV_F, Op.FWD, Op.SEND_F)]
+        P, v = mesh.layout.pp, p.virtual_stages
+        self.actions = build_schedule(p.schedule, P, p.microbatches, v)[mesh.pp_rank]
+        self.eval_actions = forward_only(P, p.microbatches, v)[mesh.pp_rank]
         rows = cfg.train.global_batch // (p.dp * p.microbatches)
+        seq = cfg.model.seq_len // (p.tp if p.sequence_parallel else 1)
         dtype = next(self.pm.module.parameters()).dtype
-        self.runner = PipelineRunner([self.pm], mesh, p.microbatches,
-                                     (rows, cfg.model.seq_len, cfg.model.d_model), dtype, self.pm.loss)
+        self.runner = PipelineRunner(self.pm.chunks, mesh, p.microbatches,
+                                     (rows, seq, cfg.model.d_model), dtype, self.pm.loss)
         self.step = 0
 
     def train_step(self, callbacks: Callbacks | None = None) -> dict:
@@ -89,8 +89,7 @@ class Trainer:
         pm.finish_grads()
         if callbacks and callbacks.after_backward:
             callbacks.after_backward(self.step, pm)
-        sumsq = sum(torch.linalg.vector_norm(p.grad, dtype=torch.float64).item() ** 2
-                    for p in pm.counted_parameters())
+        sumsq, replicas = pm.grad_sumsq()
         loss = 0.0
         if pm.is_last and mesh.tp_rank == 0:
             total = None
@@ -98,8 +97,7 @@ class Trainer:
                 total = st.losses[mb] if total is None else total + st.losses[mb]
             loss = total.item()
         sumsq, loss = _all_reduce_scalars([sumsq, loss], mesh)
-        dp = mesh.layout.dp
-        grad_norm, loss = math.sqrt(sumsq / dp), loss / dp
+        grad_norm, loss = math.sqrt(sumsq / replicas), loss / mesh.layout.dp
         clip = cfg.train.grad_clip
         if clip > 0 and grad_norm > clip:
             coef = clip / (grad_norm + 1e-6)
@@ -109,6 +107,7 @@ class Trainer:
         for g in self.opt.param_groups:
             g["lr"] = lr
         self.opt.step()
+        pm.grad_sync.gather_params()
         dt = time.perf_counter() - t0
         self.step += 1
         p = cfg.parallel

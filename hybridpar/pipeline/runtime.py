@@ -69,7 +69,7 @@ class PipelineRunner:
     def _forward(self, a: Action, inputs, targets, st: StepState) -> None:
         key, chunk = (a.chunk, a.mb), self.chunks[a.chunk]
         x = inputs[a.mb] if key not in st.inputs else st.inputs[key]
-        out = chunk.module(x)
+        out = chunk(x)
         if self._is_last(a.chunk):
             loss = self.loss_fn(out, targets[a.mb]) / self.n_microbatches
             st.losses[a.mb] = loss.detach()

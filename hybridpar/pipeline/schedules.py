@@ -246,6 +246,24 @@ def _fill_receives(plans: list[_Plan], p: int) -> Schedule:
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
+def forward_only(n_stages: int, n_microbatches: int, n_chunks: int = 1) -> Schedule:
+    """Evaluation: every virtual stage forwards all micro-batches, chunk by chunk (no backward)."""
+    V = n_stages * n_chunks
+    sched: Schedule = []
+    for s in range(n_stages):
+        actions = []
+        for c in range(n_chunks):
+            v = c * n_stages + s
+            for mb in range(n_microbatches):
+                if v > 0:
+                    actions.append(Action(Op.RECV_F, mb, c))
+                actions.append(Action(Op.FWD, mb, c))
+                if v < V - 1:
+                    actions.append(Action(Op.SEND_F, mb, c))
+        sched.append(actions)
+    return sched
+
+
 def build(name: str, n_stages: int, n_microbatches: int, n_chunks: int = 1) -> Schedule:
     """The named schedule; only ``"interleaved"`` takes ``n_chunks > 1``."""
     if name not in SCHEDULES:

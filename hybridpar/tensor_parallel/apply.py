@@ -18,7 +18,7 @@ from torch import nn
 
 from ..mesh import ParallelMesh
 from .layers import VocabParallelEmbedding
-from .mappings import copy_to_tp, reduce_from_tp
+from .mappings import copy_to_tp, gather_from_sp, reduce_from_tp, reduce_scatter_to_tp
 
 COL, ROW = "colwise", "rowwise"
 # module path inside a block -> how its weight is split; the parent module is the region.
@@ -62,31 +62,42 @@ def _shard_weight(module: nn.Module, dim: int, tp: int) -> None:
         module.out_features, module.in_features = shape
 
 
-def apply_tp(model: nn.Module, mesh: ParallelMesh) -> dict[str, int]:
+def apply_tp(model: nn.Module, mesh: ParallelMesh, *, sequence_parallel: bool = False) -> dict[str, int]:
     """Shard ``model`` (a pipeline stage, usually on the meta device) over mesh's tp group.
+
+    With ``sequence_parallel`` (Megatron-SP) the activations outside attention/MLP (norms,
+    residual stream, pipeline sends) are split along the sequence (dim 1): each region starts
+    with an all-gather of the sequence (backward: reduce-scatter) and each row-parallel output
+    is reduce-scattered instead of all-reduced; same bytes, 1/tp of the norm activations.
 
     Returns {parameter name: split dim} for the sharded parameters."""
     tp, r, group = mesh.layout.tp, mesh.tp_rank, mesh.group("tp")
     if tp == 1:
         return {}
+    if sequence_parallel:
+        enter = lambda m, args: (gather_from_sp(args[0], group, 1), *args[1:])  # noqa: E731
+        leave = lambda m, args, out: reduce_scatter_to_tp(out, group, 1)  # noqa: E731
+    else:
+        enter = lambda m, args: (copy_to_tp(args[0], group), *args[1:])  # noqa: E731
+        leave = lambda m, args, out: reduce_from_tp(out, group)  # noqa: E731
     split: dict[str, int] = {}
     for lid, block in model.layers.items():
         for region_name, plan in BLOCK_PLAN.items():
             region = getattr(block, region_name)
-            region.register_forward_pre_hook(lambda m, args: (copy_to_tp(args[0], group), *args[1:]))
+            region.register_forward_pre_hook(enter)
             for lin_name, style in plan.items():
                 lin = getattr(region, lin_name)
                 dim = 0 if style == COL else 1
                 _shard_weight(lin, dim, tp)
                 split[f"layers.{lid}.{region_name}.{lin_name}.weight"] = dim
                 if style == ROW:
-                    lin.register_forward_hook(lambda m, args, out: reduce_from_tp(out, group))
+                    lin.register_forward_hook(leave)
     tied = model.cfg.tie_embeddings
     rows = model.cfg.vocab_size // tp
     if model.tok_emb is not None:
         old = model.tok_emb.weight
         w = nn.Parameter(torch.empty(rows, old.size(1), device=old.device, dtype=old.dtype))
-        model.tok_emb = VocabParallelEmbedding(w, r * rows, group)
+        model.tok_emb = VocabParallelEmbedding(w, r * rows, group, sequence_parallel=sequence_parallel)
         split["tok_emb.weight"] = 0
     if model.lm_head is not None:
         if tied and model.tok_emb is not None:
@@ -94,5 +105,5 @@ def apply_tp(model: nn.Module, mesh: ParallelMesh) -> dict[str, int]:
         else:
             _shard_weight(model.lm_head, 0, tp)
             split["lm_head.weight"] = 0
-        model.lm_head.register_forward_pre_hook(lambda m, args: (copy_to_tp(args[0], group),))
+        model.lm_head.register_forward_pre_hook(enter)
     return split

@@ -9,24 +9,27 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .mappings import reduce_from_tp
+from .mappings import reduce_from_tp, reduce_scatter_to_tp
 
 
 class VocabParallelEmbedding(nn.Module):
     """E[tokens] with E split by rows: each rank looks up the tokens it owns, zeros the rest,
     and the sum over tp (one all-reduce) assembles the full embedding."""
 
-    def __init__(self, weight: nn.Parameter, vocab_start: int, group):
+    def __init__(self, weight: nn.Parameter, vocab_start: int, group, *, sequence_parallel: bool = False):
         super().__init__()
         self.weight = weight
         self.vocab_start = vocab_start
         self.group = group
+        self.sequence_parallel = sequence_parallel
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         local = tokens - self.vocab_start
         outside = (local < 0) | (local >= self.weight.size(0))
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:  # sum over tp and keep this rank's part of the sequence
+            return reduce_scatter_to_tp(out, self.group, 1)
         return reduce_from_tp(out, self.group)
 
     def extra_repr(self) -> str:
