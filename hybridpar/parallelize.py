@@ -16,6 +16,7 @@ from torch import nn
 
 from .config import Config, ModelConfig, pp_split
 from .data_parallel import GradSync
+from .memory import record_saved
 from .mesh import ParallelMesh
 from .model import Transformer, init_std
 from .tensor_parallel.apply import ShardSpec, apply_tp
@@ -139,7 +140,11 @@ def apply_recompute(model: Transformer, mode: str) -> None:
 
     def wrap(module: nn.Module, fn_name: str) -> None:
         fn = getattr(module, fn_name)
-        setattr(module, fn_name, lambda *args: checkpoint(fn, *args, use_reentrant=False))
+
+        def run(*args):
+            record_saved(*args)  # the checkpoint keeps its inputs, outside autograd's hooks
+            return checkpoint(fn, *args, use_reentrant=False)
+        setattr(module, fn_name, run)
 
     for block in model.layers.values():
         if mode == "full":
@@ -161,8 +166,29 @@ def init_full(cfg: ModelConfig, key: str, shape: tuple[int, ...], seed: int) -> 
     return torch.empty(shape).normal_(0.0, std, generator=g)
 
 
-def parallelize(cfg: Config, mesh: ParallelMesh) -> ParallelModel:
+def full_value(cfg: Config, spec: ShardSpec, init_state=None) -> torch.Tensor:
+    """The unsharded starting value of ``spec.init_key``: from ``init_state`` (a mapping of full
+    tensors under our names, e.g. a Hugging Face import) when given, else the seeded init."""
+    if init_state is None:
+        return init_full(cfg.model, spec.init_key, spec.full_shape, cfg.train.seed)
+    from .config import ConfigError
+    src = cfg.model.init_from or "init_state"
+    if spec.init_key not in init_state:
+        raise ConfigError(f"model.init_from={src} has no tensor {spec.init_key}")
+    full = init_state[spec.init_key]
+    if tuple(full.shape) != spec.full_shape:
+        raise ConfigError(f"model.init_from={src}: {spec.init_key} has shape {tuple(full.shape)}, "
+                          f"the model config needs {spec.full_shape}; set the model fields to match")
+    return full
+
+
+def parallelize(cfg: Config, mesh: ParallelMesh, *, init_state=None) -> ParallelModel:
+    """This rank's shard of the model, initialised from ``init_state`` / ``cfg.model.init_from``
+    (full tensors, each rank keeps ``ShardSpec.take`` of them) or from the seeded init."""
     m = cfg.model
+    if init_state is None and m.init_from:
+        from .hf import open_state
+        init_state = open_state(m.init_from)
     with torch.device("meta"):
         model = Transformer(m)
     full_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
@@ -183,7 +209,7 @@ def parallelize(cfg: Config, mesh: ParallelMesh) -> ParallelModel:
             dim = tp_dims.get(name)
             spec = ShardSpec(full_shapes[name], dim, mesh.tp_rank if dim is not None else 0,
                              mesh.layout.tp if dim is not None else 1, _init_key(m, name))
-            param.copy_(spec.take(init_full(m, spec.init_key, spec.full_shape, cfg.train.seed)))
+            param.copy_(spec.take(full_value(cfg, spec, init_state)))
             specs[name] = spec
     params = [q for _, q in model.named_parameters()]
     sync = GradSync.build(params, group=mesh.group("dp"), n_accum=p.microbatches,

@@ -101,6 +101,7 @@ def run_case(cfg: Config, *, dataset: Dataset, bug: str | None = None) -> dict:
     with injected(bug):
         history = train(cfg, mesh, dataset=dataset, callbacks=Callbacks(after_backward=after_backward))
     return {"losses": [m["loss"] for m in history], "grad_norms": [m["grad_norm"] for m in history],
+            "mem": history[-1]["mem"],
             "max_in_flight": history[-1]["max_in_flight"], "pp_rank": mesh.pp_rank,
             "grads": grads, "params": local_state(pm_ref["pm"])}
 
@@ -130,6 +131,7 @@ def load_case(out_dir: str, name: str) -> dict:
     return {"losses": parts[0]["losses"], "grad_norms": parts[0]["grad_norms"],
             "max_in_flight": {r: p["max_in_flight"] for r, p in enumerate(parts)},
             "pp_rank": {r: p["pp_rank"] for r, p in enumerate(parts)},
+            "mem": {r: p["mem"] for r, p in enumerate(parts)},
             "grads": assemble([p["grads"] for p in parts]),
             "params": assemble([p["params"] for p in parts])}
 

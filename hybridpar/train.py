@@ -17,8 +17,10 @@ import torch
 import torch.distributed as dist
 
 from . import data as data_mod
+from . import tb
+from .amp import LossScaler
 from .config import Config, TrainConfig
-from .memory import peak_memory_bytes
+from .memory import ActivationMeter, peak_memory_bytes, state_bytes
 from .mesh import ParallelMesh
 from .parallelize import ParallelModel, build_optimizer, parallelize
 from .pipeline.runtime import PipelineRunner
@@ -76,17 +78,29 @@ class Trainer:
         rows = cfg.train.global_batch // (p.dp * p.microbatches)
         seq = cfg.model.seq_len // (p.tp if p.sequence_parallel else 1)
         dtype = next(self.pm.module.parameters()).dtype
+        self.scaler = LossScaler() if cfg.train.precision == "fp16" else None
         self.runner = PipelineRunner(self.pm.chunks, mesh, p.microbatches,
-                                     (rows, seq, cfg.model.d_model), dtype, self.pm.loss)
+                                     (rows, seq, cfg.model.d_model), dtype, self._loss)
+        self.meter = ActivationMeter(self.pm.module.parameters())
+        self.runner.meter = self.meter
         self.step = 0
+
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = self.pm.loss(logits, targets)
+        return loss * self.scaler.scale if self.scaler is not None and torch.is_grad_enabled() else loss
 
     def train_step(self, callbacks: Callbacks | None = None) -> dict:
         cfg, mesh, pm = self.cfg, self.mesh, self.pm
         t0 = time.perf_counter()
         xs, ys = _local_rows(self.step, cfg, mesh, self.dataset.train)
         pm.grad_sync.zero_grad()
+        self.meter.reset()
         st = self.runner.run(self.actions, xs, ys)
         pm.finish_grads()
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        if scale != 1.0:
+            for b in pm.grad_sync.buckets:
+                b.grad.div_(scale)
         if callbacks and callbacks.after_backward:
             callbacks.after_backward(self.step, pm)
         sumsq, replicas = pm.grad_sumsq()
@@ -97,7 +111,9 @@ class Trainer:
                 total = st.losses[mb] if total is None else total + st.losses[mb]
             loss = total.item()
         sumsq, loss = _all_reduce_scalars([sumsq, loss], mesh)
-        grad_norm, loss = math.sqrt(sumsq / replicas), loss / mesh.layout.dp
+        grad_norm, loss = math.sqrt(sumsq / replicas), loss / mesh.layout.dp / scale
+        # fp16: an overflowed step is skipped (same decision on every rank: the norm is global)
+        update = self.scaler.update(math.isfinite(grad_norm)) if self.scaler is not None else True
         clip = cfg.train.grad_clip
         if clip > 0 and grad_norm > clip:
             coef = clip / (grad_norm + 1e-6)
@@ -106,8 +122,9 @@ class Trainer:
         lr = lr_at(self.step, cfg.train)
         for g in self.opt.param_groups:
             g["lr"] = lr
-        self.opt.step()
-        pm.grad_sync.gather_params()
+        if update:
+            self.opt.step()
+            pm.grad_sync.gather_params()
         dt = time.perf_counter() - t0
         self.step += 1
         p = cfg.parallel
@@ -115,7 +132,11 @@ class Trainer:
                 "step_time_s": dt,
                 "tokens_per_s": cfg.train.global_batch * cfg.model.seq_len / dt,
                 "max_mem_bytes": peak_memory_bytes(mesh.device),
+                "mem": {**state_bytes(list(pm.module.parameters()),
+                                      [b.grad for b in pm.grad_sync.buckets], self.opt),
+                        "activations": self.meter.peak},
                 "max_in_flight": st.max_in_flight,
+                **({"loss_scale": self.scaler.scale, "skipped": not update} if self.scaler else {}),
                 "layout": {"dp": p.dp, "tp": p.tp, "pp": p.pp, "microbatches": p.microbatches,
                            "schedule": p.schedule}}
 
@@ -143,6 +164,8 @@ def train(cfg: Config, mesh: ParallelMesh, *, dataset=None, callbacks: Callbacks
         from tqdm import tqdm
         bar = tqdm(total=t.steps, desc="train", unit="step", dynamic_ncols=True)
     sink = open(t.metrics, "w") if (is_rank0 and t.metrics) else None
+    board = tb.open_writer(cfg, mesh)  # rank 0 only, when train.tensorboard is set
+    log = tb.rank_logger(mesh)
     history = []
     try:
         while trainer.step < t.steps:
@@ -150,7 +173,12 @@ def train(cfg: Config, mesh: ParallelMesh, *, dataset=None, callbacks: Callbacks
             last = trainer.step == t.steps
             if t.eval_every and (trainer.step % t.eval_every == 0 or last):
                 m["val_loss"] = trainer.evaluate()
+            m.update(tb.throughput(m, cfg))
+            if not math.isfinite(m["loss"]) and is_rank0:
+                log.warning(f"step {m['step']}: loss is {m['loss']}")
             history.append(m)
+            if board:
+                board.log(m)
             if callbacks and callbacks.on_metrics:
                 callbacks.on_metrics(m)
             if sink:
@@ -167,4 +195,6 @@ def train(cfg: Config, mesh: ParallelMesh, *, dataset=None, callbacks: Callbacks
             bar.close()
         if sink:
             sink.close()
+        if board:
+            board.close()
     return history

@@ -41,6 +41,7 @@ class PipelineRunner:
     act_dtype: torch.dtype
     loss_fn: Callable
     on_action: Callable | None = None  # (action, t_start, t_end) for tracing
+    meter: object | None = None  # memory.ActivationMeter
 
     def _peer(self, op: Op) -> int:
         P, s = self.mesh.layout.pp, self.mesh.pp_rank
@@ -69,7 +70,11 @@ class PipelineRunner:
     def _forward(self, a: Action, inputs, targets, st: StepState) -> None:
         key, chunk = (a.chunk, a.mb), self.chunks[a.chunk]
         x = inputs[a.mb] if key not in st.inputs else st.inputs[key]
-        out = chunk(x)
+        if self.meter is None:
+            out = chunk(x)
+        else:
+            with self.meter.forward(key):
+                out = chunk(x)
         if self._is_last(a.chunk):
             loss = self.loss_fn(out, targets[a.mb]) / self.n_microbatches
             st.losses[a.mb] = loss.detach()
@@ -80,6 +85,8 @@ class PipelineRunner:
     def _backward(self, a: Action, st: StepState) -> None:
         key = (a.chunk, a.mb)
         out = st.outputs.pop(key)
+        if self.meter is not None:
+            self.meter.release(key)
         if self._is_last(a.chunk):
             out.backward()
         else:

@@ -1,0 +1,121 @@
+"""ZeRO-1, activation recomputation, sequence parallelism, interleaved 1F1B and mixed precision
+train the same run as one process (one 8-rank spawn for all cases).
+
+fp32 cases use the parity tolerances of tests/test_parity.py (see its docstring). bf16 cases
+compare against a single process also computing in bf16: a layout changes where bf16 roundings
+happen (tp partial sums are rounded to bf16 before the all-reduce, a single process rounds the
+full sum), so an intermediate can differ by one bf16 ulp (2^-8 relative = 3.9e-3). A loss is a
+mean over 512 tokens of such values, where flips average out: within one ulp, 4e-3. A gradient
+element is the product of several bf16-rounded factors, each possibly one ulp off: within 4 ulps
+of the largest gradient of its tensor, 3.2e-2. Later losses inherit each step's gradient error
+through AdamW (whose update m/sqrt(v) is ~1 whatever the gradient's size), so they are held to
+the gradient tolerance. fp16 (11-bit mantissa, ulp 2^-11 = 4.9e-4, loss-scaled so nothing
+underflows) gets the same rules with its own ulp: 4.9e-4 on step 1; gradients and later losses
+within 4 ulps at the top of the binade, 4 x 2^-10 = 3.9e-3.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from hybridpar.amp import LossScaler
+from hybridpar.launch import spawn
+from hybridpar.mesh import single_mesh
+from hybridpar.testing import (cases_worker, load_case, max_rel_tensor_err, reference, rel_err,
+                               tiny_config, tiny_dataset)
+from hybridpar.train import Trainer
+
+
+def mk(dp, tp, pp, *, precision="fp32", **par):
+    c = tiny_config(dp=dp, tp=tp, pp=pp)
+    return replace(c, parallel=replace(c.parallel, **par), train=replace(c.train, precision=precision))
+
+
+INTERLEAVED = dict(schedule="interleaved", virtual_stages=2)
+ALL_ON = dict(zero1=True, sequence_parallel=True, recompute="full", **INTERLEAVED)
+CASES = {
+    "zero1-dp2": (mk(2, 2, 2, zero1=True), "fp32"),
+    "zero1-dp4": (mk(4, 1, 2, zero1=True), "fp32"),
+    "plain-2x2x2": (mk(2, 2, 2), "fp32"),
+    "plain-4x1x2": (mk(4, 1, 2), "fp32"),
+    "recompute-selective": (mk(2, 2, 2, recompute="selective"), "fp32"),
+    "recompute-full": (mk(2, 2, 2, recompute="full"), "fp32"),
+    "sp-tp2": (mk(2, 2, 2, sequence_parallel=True), "fp32"),
+    "sp-tp4": (mk(2, 4, 1, sequence_parallel=True), "fp32"),
+    "interleaved-pp2-v2": (mk(2, 2, 2, **INTERLEAVED), "fp32"),
+    "interleaved-pp4-v2": (mk(2, 1, 4, **INTERLEAVED), "fp32"),
+    "all-on-2x2x2": (mk(2, 2, 2, **ALL_ON), "fp32"),
+    "bf16-2x2x2": (mk(2, 2, 2, precision="bf16"), "bf16"),
+    "bf16-all-on-2x2x2": (mk(2, 2, 2, precision="bf16", **ALL_ON), "bf16"),
+    "fp16-2x2x2": (mk(2, 2, 2, precision="fp16"), "fp16"),
+}
+TOL = {"fp32": (1e-5, 1e-4, 1e-5), "bf16": (3.9e-3, 3.2e-2, 3.2e-2), "fp16": (4.9e-4, 3.9e-3, 3.9e-3)}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("features")
+    spawn(cases_worker, 8, [(n, c, None) for n, (c, _) in CASES.items()], str(out))
+    return {n: load_case(str(out), n) for n in CASES}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_feature_matches_single_process(results, name):
+    cfg, kind = CASES[name]
+    got, ref = results[name], reference(cfg)
+    step1, later, grad_tol = TOL[kind]
+    errs = [rel_err(a, b) for a, b in zip(got["losses"], ref["losses"])]
+    grad_err, where = max_rel_tensor_err(got["grads"], ref["grads"])
+    print(f"{name}: loss rel errs {max(errs):.2e}, grad rel err {grad_err:.2e} ({where})")
+    assert len(errs) == 5
+    assert errs[0] <= step1 and max(errs) <= later, errs
+    assert grad_err <= grad_tol, (grad_err, where)
+
+
+def test_zero1_is_bitwise_the_unsharded_update(results):
+    """AdamW is elementwise: running it on 1/dp slices must not change a single bit (Gloo has no
+    reduce-scatter, so the gradients are the very same all-reduced sums)."""
+    got, plain = results["zero1-dp2"], results["plain-2x2x2"]
+    assert got["losses"] == plain["losses"]
+    for k, v in plain["params"].items():
+        assert torch.equal(got["params"][k], v), k
+
+
+def test_zero1_partitions_optimizer_state_over_dp(results):
+    """Per rank AdamW state (2 fp32 moments) is 1/dp of the unsharded one, up to bucket padding."""
+    for rank, mem in results["zero1-dp4"]["mem"].items():
+        full = results["plain-4x1x2"]["mem"][rank]["optimizer"]
+        assert full / 4 <= mem["optimizer"] <= full / 4 + 2 * 4 * 4 * 64, (rank, mem, full)
+
+
+def _one_step(**par):
+    cfg = tiny_config(steps=1)
+    cfg = replace(cfg, parallel=replace(cfg.parallel, **par))
+    tr = Trainer(cfg, single_mesh(), tiny_dataset())
+    m = tr.train_step()
+    return tr, m
+
+
+def test_recompute_is_bitwise_and_saves_activations():
+    (_, none), (_, sel), (_, full) = (_one_step(recompute=r) for r in ("none", "selective", "full"))
+    assert none["loss"] == sel["loss"] == full["loss"]
+    a_none, a_sel, a_full = (m["mem"]["activations"] for m in (none, sel, full))
+    assert a_full < a_sel < a_none
+    # full recompute keeps one layer input per layer: 8 layers x (8 rows x 16 tokens x 32 dims x 4 B)
+    layer_inputs = 8 * 8 * 16 * 32 * 4
+    assert layer_inputs <= a_full <= 2 * layer_inputs
+
+
+def test_fp16_overflow_skips_the_step_and_halves_the_scale():
+    cfg = tiny_config(steps=2)
+    cfg = replace(cfg, train=replace(cfg.train, precision="fp16"))
+    tr = Trainer(cfg, single_mesh(), tiny_dataset())
+    tr.scaler = LossScaler(scale=2.0 ** 126)  # the scaled loss overflows fp32 grads
+    tr.runner.loss_fn = tr._loss
+    before = {n: p.detach().clone() for n, p in tr.pm.named_parameters()}
+    m = tr.train_step()
+    assert m["skipped"] and tr.scaler.scale == 2.0 ** 125
+    for n, p in tr.pm.named_parameters():
+        assert torch.equal(p, before[n]), n
