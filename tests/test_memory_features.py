@@ -50,6 +50,8 @@ CASES = {
     "bf16-2x2x2": (mk(2, 2, 2, precision="bf16"), "bf16"),
     "bf16-all-on-2x2x2": (mk(2, 2, 2, precision="bf16", **ALL_ON), "bf16"),
     "fp16-2x2x2": (mk(2, 2, 2, precision="fp16"), "fp16"),
+    # fp32 compute, gradients rounded to bf16 for the dp reduction: bf16 rules apply
+    "bf16-grad-reduce-4x1x2": (mk(4, 1, 2, grad_reduce_dtype="bf16"), "bf16"),
 }
 TOL = {"fp32": (1e-5, 1e-4, 1e-5), "bf16": (3.9e-3, 3.2e-2, 3.2e-2), "fp16": (4.9e-4, 3.9e-3, 3.9e-3)}
 
