@@ -1,0 +1,103 @@
+"""Run logging: TensorBoard events from rank 0, and log lines tagged with where they come from.
+
+TensorBoard gets the same numbers as the JSON-lines metrics (``train.metrics``), under
+``train/`` (loss, val_loss, lr, grad_norm), ``perf/`` (tokens/s, step time, model TFLOP/s per
+device, MFU when ``train.peak_tflops`` is set) and ``mem/`` (rank 0's peak bytes, and its
+parameter / gradient / optimizer / activation bytes when the metrics carry them).
+
+Model FLOPs per token (PaLM appendix B, counted for forward + backward, recomputation not
+counted, as MFU is defined): 6 * N_matmul + 12 * n_layers * d_attn * seq_len, with N_matmul the
+weights that multiply activations (every linear including the output head; not the embedding
+lookup) and d_attn = n_heads * head_dim.
+"""
+from __future__ import annotations
+
+import logging
+
+from .config import Config, ModelConfig
+from .mesh import ParallelMesh
+
+SCALARS = {  # metrics key -> TensorBoard tag
+    "loss": "train/loss", "val_loss": "train/val_loss", "lr": "train/lr",
+    "grad_norm": "train/grad_norm", "tokens_per_s": "perf/tokens_per_s",
+    "step_time_s": "perf/step_time_s", "tflops_per_device": "perf/tflops_per_device",
+    "mfu": "perf/mfu", "max_mem_bytes": "mem/max_bytes",
+}
+
+
+def matmul_params(m: ModelConfig) -> int:
+    hd = m.head_dim
+    per_layer = m.d_model * hd * (2 * m.n_heads + 2 * m.n_kv_heads) + 3 * m.d_model * m.d_ff
+    return m.n_layers * per_layer + m.vocab_size * m.d_model
+
+
+def flops_per_token(m: ModelConfig) -> float:
+    return 6.0 * matmul_params(m) + 12.0 * m.n_layers * m.n_heads * m.head_dim * m.seq_len
+
+
+def throughput(metrics: dict, cfg: Config) -> dict:
+    """Model TFLOP/s per device and, when the device peak is known, MFU (a fraction)."""
+    per_device = metrics["tokens_per_s"] * flops_per_token(cfg.model) / cfg.parallel.world_size / 1e12
+    out = {"tflops_per_device": per_device}
+    if cfg.train.peak_tflops > 0:
+        out["mfu"] = per_device / cfg.train.peak_tflops
+    return out
+
+
+class TensorBoardWriter:
+    """Scalars of each step's metrics into ``logdir`` (``torch.utils.tensorboard``)."""
+
+    def __init__(self, logdir: str, cfg: Config):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.cfg = cfg
+        self.writer = SummaryWriter(log_dir=logdir)
+        p = cfg.parallel
+        self.writer.add_text("layout", f"dp={p.dp} tp={p.tp} pp={p.pp} microbatches={p.microbatches} "
+                                       f"schedule={p.schedule}", 0)
+
+    def log(self, metrics: dict) -> None:
+        values = {**metrics, **throughput(metrics, self.cfg)}
+        step = metrics["step"]
+        for key, tag in SCALARS.items():
+            if key in values:
+                self.writer.add_scalar(tag, float(values[key]), step)
+        for key, value in metrics.get("mem", {}).items():  # state / activation bytes by kind
+            if isinstance(value, (int, float)):
+                self.writer.add_scalar(f"mem/{key}_bytes", float(value), step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def open_writer(cfg: Config, mesh: ParallelMesh) -> TensorBoardWriter | None:
+    """A writer on rank 0 when ``train.tensorboard`` is set, else None (every other rank)."""
+    if mesh.rank != 0 or not cfg.train.tensorboard:
+        return None
+    return TensorBoardWriter(cfg.train.tensorboard, cfg)
+
+
+def rank_prefix(mesh: ParallelMesh) -> str:
+    """'' on rank 0 (the rank users read), else '[rank 3 dp=1 tp=1 pp=0] '."""
+    if mesh.rank == 0:
+        return ""
+    c = mesh.coords
+    return f"[rank {mesh.rank} dp={c['dp']} tp={c['tp']} pp={c['pp']}] "
+
+
+class _Tagged(logging.LoggerAdapter):
+    def process(self, msg, kwargs):
+        return self.extra["prefix"] + str(msg), kwargs
+
+
+def rank_logger(mesh: ParallelMesh, name: str = "hybridpar") -> logging.LoggerAdapter:
+    """The ``hybridpar`` logger with this rank's tag on every line; writes to stderr at INFO
+    unless the application configured the logger itself."""
+    logger = logging.getLogger(name)
+    if not logger.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+    return _Tagged(logger, {"prefix": rank_prefix(mesh)})
