@@ -64,7 +64,7 @@ def injected(bug: str | None):
             orig(self)
             if self.active:
                 for b in self.buckets:
-                    b.buffer.mul_(dist.get_world_size(self.group))
+                    b.grad.mul_(dist.get_world_size(self.group))
     elif bug == "skip_microbatch":  # the last micro-batch never runs (on every stage)
         target, name = PipelineRunner, "run"
         orig_run = PipelineRunner.run
