@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .watchdog import activity
+
 
 @dataclass
 class Bucket:
@@ -145,8 +147,11 @@ class GradSync:
         for b in self.buckets:
             if not b.launched:
                 self._launch(b)
-        for b in self.buckets:
+        n = len(self.buckets)
+        for i, b in enumerate(self.buckets):
+            outer = activity.enter("dp all-reduce", f"bucket {i + 1}/{n}")  # watchdog: no I/O
             b.handle.wait()
+            activity.leave(outer)
             if b.comm is not b.grad:
                 if b.comm.numel() == b.grad.numel():
                     b.grad.copy_(b.comm)
@@ -168,7 +173,9 @@ class GradSync:
         """ZeRO-1, after the optimizer step: every rank gets every updated slice."""
         if not (self.zero1 and self.active):
             return
-        for b in self.buckets:
+        for i, b in enumerate(self.buckets):
             lo, hi = self.shard_range(b)
+            outer = activity.enter("dp all-gather (ZeRO-1)", f"bucket {i + 1}/{len(self.buckets)}")
             dist.all_gather(list(b.param_buf.chunk(self.dp)), b.param_buf[lo:hi].clone(),
                             group=self.group)
+            activity.leave(outer)

@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from ..watchdog import activity
 from .schedules import Action, Op
 
 COMM = {Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B}
@@ -49,9 +50,10 @@ class PipelineRunner:
         return self.mesh.stage_rank((s + 1) % P if nxt else (s - 1) % P)
 
     def _comm(self, batch: list[Action], st: StepState) -> None:
-        group, ops = self.mesh.group("pp"), []
+        group, ops, where = self.mesh.group("pp"), [], []
         for a in batch:
             key, peer = (a.chunk, a.mb), self._peer(a.op)
+            where.append((a.op.name, a.mb, peer))
             if a.op is Op.SEND_F:
                 t = st.outputs[key].detach()
             elif a.op is Op.SEND_B:
@@ -61,6 +63,7 @@ class PipelineRunner:
                 (st.inputs if a.op is Op.RECV_F else st.grads_in)[key] = t
             fn = dist.isend if a.op in (Op.SEND_F, Op.SEND_B) else dist.irecv
             ops.append(dist.P2POp(fn, t.contiguous(), peer, group))
+        activity.mark("pp", comm=True, detail=where)  # for the watchdog: no I/O
         for w in dist.batch_isend_irecv(ops):
             w.wait()
         for a in batch:
@@ -110,8 +113,10 @@ class PipelineRunner:
             else:
                 a = actions[i]
                 if a.op is Op.FWD:
+                    activity.mark("forward", a.mb)
                     self._forward(a, inputs, targets, st)
                 else:
+                    activity.mark("backward", a.mb)
                     self._backward(a, st)
                 done, i = [a], i + 1
             if self.on_action is not None:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..watchdog import activity
+
 
 def _size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
@@ -21,13 +23,17 @@ def _size(group) -> int:
 def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     """Sum over the group into a new tensor (inputs may be saved by autograd elsewhere)."""
     out = x.clone(memory_format=torch.contiguous_format)
+    outer = activity.enter("tp all-reduce")  # for the watchdog: an attribute write, no I/O
     dist.all_reduce(out, group=group)
+    activity.leave(outer)
     return out
 
 
 def all_gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(_size(group))]
+    outer = activity.enter("tp all-gather")
     dist.all_gather(parts, x.contiguous(), group=group)
+    activity.leave(outer)
     return torch.cat(parts, dim=dim)
 
 
@@ -41,7 +47,9 @@ def reduce_scatter(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     parts = [p.contiguous() for p in x.chunk(n, dim=dim)]
     out = torch.empty_like(parts[0])
     if hasattr(dist, "reduce_scatter") and dist.get_backend(group) != "gloo":
+        outer = activity.enter("tp reduce-scatter")
         dist.reduce_scatter(out, parts, group=group)
+        activity.leave(outer)
     else:  # Gloo has no reduce_scatter: all-reduce, then keep our shard
         full = all_reduce(torch.cat(parts, dim=dim), group)
         out = full.chunk(n, dim=dim)[dist.get_rank(group)].contiguous()
