@@ -40,15 +40,23 @@ def import_hf(argv: list[str]) -> int:
 def export(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
         prog="hybridpar export",
-        description="Write weights in another format. SRC: a hybridpar import-hf folder, or a "
-                    ".safetensors/.pt file of full tensors (then give --config / --model.* fields).")
+        description="Write weights in another format. SRC: a training checkpoint (a step_NNNNNN folder, "
+                    "or a checkpoint.dir: its latest; consolidated from any layout), a hybridpar import-hf "
+                    "folder, or a .safetensors/.pt file of full tensors (then give --config / --model.* fields).")
     p.add_argument("src")
-    p.add_argument("--format", required=True, choices=["hf"], help="hf: config.json + model.safetensors")
+    p.add_argument("--format", default="hf", choices=["hf"], help="hf: config.json + model.safetensors")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--config", help="TOML whose [model] table describes SRC (bare files only)")
     args, rest = p.parse_known_args(argv)
     from . import hf
+    from .checkpoint import store
 
+    if store.looks_like_checkpoint(args.src):  # model section from the checkpoint's config
+        from .checkpoint import export as export_checkpoint
+        _, step = export_checkpoint(args.src, args.out)
+        print(f"wrote {args.out}/config.json and {args.out}/model.safetensors (step {step}; "
+              f"safetensors.torch.load_file or LlamaForCausalLM.from_pretrained('{args.out}'))")
+        return 0
     base = _base_model(args.config, rest)
     m = hf.source_config(args.src, base) or base
     if m is None:
