@@ -1,0 +1,2 @@
+"""Benchmarks (not tests): hybridpar vs PyTorch-native parallelism (``run``, ``native``) and
+collective microbenchmarks (``collectives``)."""
