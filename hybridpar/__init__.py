@@ -1,5 +1,8 @@
 """hybridpar: hybrid-parallel (dp x tp x pp) training on torch.distributed."""
 from .config import Config, ConfigError, load_config, validate
+# Load the submodule hybridpar.train now: its first import would otherwise set the package
+# attribute ``train`` to the module, hiding the function below (e.g. after one in-process run).
+from . import train as _train_module  # noqa: E402,F401
 
 __version__ = "0.1.0"
 

@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import os
 import sys
 
 from .config import Config, ConfigError, describe_fields, load_config, validate
+from .errors import EXIT_FAILED, EXIT_USER, HybridparError
 
 # shortcut flag -> (section, field)
 SHORTCUTS = {
@@ -13,6 +15,7 @@ SHORTCUTS = {
     "microbatches": ("parallel", "microbatches"), "schedule": ("parallel", "schedule"),
     "steps": ("train", "steps"), "seed": ("train", "seed"),
     "global_batch": ("train", "global_batch"), "metrics": ("train", "metrics"),
+    "trace": ("train", "trace"),
 }
 
 
@@ -26,6 +29,8 @@ def _train_parser() -> argparse.ArgumentParser:
     for flag in SHORTCUTS:
         p.add_argument("--" + flag.replace("_", "-"), dest=flag, default=None,
                        help=f"= --{'.'.join(SHORTCUTS[flag])}")
+    p.add_argument("--resume", action="store_true",
+                   help="= --checkpoint.resume=true: continue from checkpoint.dir's latest checkpoint")
     return p
 
 
@@ -37,7 +42,7 @@ def parse_train_args(argv: list[str]) -> Config:
         if item.startswith("--") and "." in item.split("=")[0]:
             overrides.append(item)
             continue
-        known = ["--" + f.replace("_", "-") for f in SHORTCUTS] + ["--config"]
+        known = ["--" + f.replace("_", "-") for f in SHORTCUTS] + ["--config", "--resume"]
         close = difflib.get_close_matches(item.split("=")[0], known, n=1)
         hint = f"; did you mean '{close[0]}'?" if close else \
             " (config fields are set as --section.field=value; see hybridpar train --help)"
@@ -46,34 +51,91 @@ def parse_train_args(argv: list[str]) -> Config:
         value = getattr(args, flag)
         if value is not None:
             overrides.append(f"--{section}.{name}={value}")
+    if args.resume:
+        overrides.append("--checkpoint.resume=true")
     return load_config(args.config, overrides)
 
 
-def _train_worker(cfg: Config) -> dict | None:
+def check_inputs(cfg: Config):
+    """User errors a worker would otherwise hit (data, output folders, device, injected-fault
+    spec), as ConfigError/DataError before any process starts; returns the dataset."""
+    from .data import load_dataset
+    from .errors import FAULT_ENV, parse_faults
+
+    t = cfg.train
+    for name, path in (("train.metrics", t.metrics), ("train.trace", getattr(t, "trace", ""))):
+        folder = os.path.dirname(os.path.abspath(path)) if path else ""
+        if path and not os.path.isdir(folder):
+            raise ConfigError(f"{name}={path!r}: folder {folder!r} does not exist; create it or "
+                              f"choose another path")
+    if t.device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            raise ConfigError("train.device=cuda but no CUDA device is available; use --train.device=cpu")
+    try:
+        parse_faults(os.environ.get(FAULT_ENV, ""))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return load_dataset(cfg.data.path or None, seq_len=cfg.model.seq_len,
+                        val_fraction=cfg.data.val_fraction)
+
+
+def _train_worker(cfg: Config, dataset=None) -> dict | None:
     from .launch import setup, teardown
     from .train import train
 
-    mesh = setup(cfg)
     try:
-        history = train(cfg, mesh)
-    finally:
-        teardown()
+        mesh = setup(cfg)
+        history = train(cfg, mesh, dataset=dataset)
+        teardown()  # not on failure: closing our connections first would make the healthy ranks
+        # fail with "connection closed" before the launcher has seen this rank's error
+    except Exception as e:
+        # the watchdog printed what failed inside train(); user errors become one line upstream
+        if not (getattr(e, "hybridpar_reported", None) or isinstance(e, (ConfigError, HybridparError))
+                or type(e).__name__ == "DataError"):
+            import traceback
+            print(f"hybridpar: rank {os.environ.get('RANK', '0')} failed:\n{traceback.format_exc()}",
+                  file=sys.stderr, end="", flush=True)
+            e.hybridpar_reported = "printed"
+        raise
     return history[-1] if history and mesh.rank == 0 else None
 
 
-def run_train(cfg: Config) -> dict | None:
-    """Join the torchrun job we are in, or spawn dp*tp*pp local ranks."""
-    from .launch import spawn, under_launcher
+def run_train(cfg: Config, dataset=None) -> dict | None:
+    """Join the torchrun job we are in, or spawn dp*tp*pp local ranks (a failed rank becomes
+    JobFailed naming it; its own traceback or watchdog report is printed above)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from .launch import describe_failure, spawn, under_launcher
 
     if under_launcher() or cfg.parallel.world_size == 1:
-        return _train_worker(cfg)
-    validate(cfg)
-    return spawn(_train_worker, cfg.parallel.world_size, cfg).get(0)
+        return _train_worker(cfg, dataset)
+    validate(cfg)  # the spawned ranks load the data themselves: ``dataset`` is not pickled over
+    try:
+        return spawn(_train_worker, cfg.parallel.world_size, cfg).get(0)
+    except ChildFailedError as e:
+        from .errors import JobFailed
+        from .launch import USER_ERRORS
+        line, typ = describe_failure(e)
+        raise (ConfigError(line) if typ in USER_ERRORS else JobFailed(line)) from None
+
+
+def _launcher_world() -> int | None:
+    from .launch import under_launcher
+
+    return int(os.environ["WORLD_SIZE"]) if under_launcher() and "WORLD_SIZE" in os.environ else None
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    from .cli_hf import COMMANDS as WEIGHT_COMMANDS  # import-hf, export, generate
+
     commands = {"train": "train a model (default: the embedded stdlib corpus)"}
+    commands.update({name: desc for name, (_, desc) in WEIGHT_COMMANDS.items()})
+    commands["bench"] = "time hybridpar against PyTorch-native parallelism (hybridpar bench --help)"
+    commands["plot"] = "draw loss, tokens/s and memory curves of a metrics file: plot METRICS.jsonl"
+    commands["plan"] = "rank dp x tp x pp layouts by predicted step time and memory (plan --help)"
+    commands["calibrate"] = "measure this machine for the planner: calibrate --out PROFILE.json"
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: hybridpar COMMAND [options]\n\ncommands:")
         for name, desc in commands.items():
@@ -83,18 +145,53 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if cmd == "train":
             cfg = parse_train_args(rest)
-            validate(cfg)
-            last = run_train(cfg)
+            validate(cfg, world_size=_launcher_world())
+            dataset = check_inputs(cfg)
+            last = run_train(cfg, dataset)
             if last:
                 print(f"done: step {last['step']} loss {last['loss']:.4f}"
                       + (f" val_loss {last['val_loss']:.4f}" if "val_loss" in last else ""))
             return 0
+        if cmd in WEIGHT_COMMANDS:
+            return WEIGHT_COMMANDS[cmd][0](rest)
+        if cmd == "bench":
+            from .bench.run import main as bench_main
+            return bench_main(rest)
+        if cmd == "plot":
+            from .plot import main as plot_main
+            return plot_main(rest)
+        if cmd == "plan":
+            from .planner.cli import plan_main
+            return plan_main(rest)
+        if cmd == "calibrate":
+            from .planner.calibrate import main as calibrate_main
+            return calibrate_main(rest)
         close = difflib.get_close_matches(cmd, list(commands), n=1)
         raise ConfigError(f"unknown command '{cmd}'" + (f"; did you mean '{close[0]}'?" if close else
                                                          f"; commands: {', '.join(commands)}"))
-    except ConfigError as e:
-        print(f"hybridpar: error: {e}", file=sys.stderr)
-        return 2
+    except Exception as e:
+        code = _report(e)
+        if code is None:
+            raise
+        return code
+
+
+def _report(e: Exception) -> int | None:
+    """Print a failure as one line and return the exit code; None: let it show its traceback."""
+    data = sys.modules.get("hybridpar.data")  # DataError without importing torch for config errors
+    if isinstance(e, ConfigError) or (data is not None and isinstance(e, data.DataError)):
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # under torchrun: once per node, not per rank
+            print(f"hybridpar: error: {e}", file=sys.stderr)
+        return EXIT_USER
+    if isinstance(e, HybridparError):
+        if not e.collective or os.environ.get("RANK", "0") == "0":  # collective: on every rank
+            print(f"hybridpar: error: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    reported = getattr(e, "hybridpar_reported", None)  # already printed (torchrun worker)
+    if reported == "first":
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+        ErrorHandler().record_exception(e)  # torchrun's summary names it as the root cause
+    return EXIT_FAILED if reported else None
 
 
 if __name__ == "__main__":

@@ -40,6 +40,9 @@ class ModelConfig:
     rope_theta: float = _f(10000.0, "rotary embedding base")
     norm_eps: float = _f(1e-5, "RMSNorm epsilon")
     init_std: float = _f(0.02, "std of the normal initialisation")
+    init_from: str = _f("", "initialise the weights from this instead of randomly: a Hugging Face Llama folder "
+                            "(config.json + safetensors), a `hybridpar import-hf` folder, or a .safetensors/.pt "
+                            "file of full tensors under our names; model fields must match it")
 
     @property
     def head_dim(self) -> int:
@@ -88,6 +91,12 @@ class TrainConfig:
                         choices=("fp32", "bf16", "fp16"))
     threads_per_rank: int = _f(0, "torch threads per rank; 0 = cores / local ranks")
     progress: bool = _f(True, "show a progress bar on rank 0")
+    tensorboard: str = _f("", "rank 0 writes TensorBoard event files to this folder "
+                              "(pip install 'hybridpar[tensorboard]')")
+    peak_tflops: float = _f(0.0, "peak TFLOP/s of one device, for MFU in the TensorBoard logs; 0 = not logged")
+    trace: str = _f("", "write every rank's events (forward/backward per micro-batch, collectives, idle) "
+                        "to this Chrome trace JSON (Perfetto) and a PNG timeline next to it "
+                        "(pip install 'hybridpar[plot]')")
 
 
 @dataclass(frozen=True)
@@ -97,18 +106,50 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
+class ReliabilityConfig:
+    deadline_s: float = _f(300.0, "watchdog: a rank whose current operation (collective, send/recv, forward, "
+                                  "backward) lasts longer than this stops the job, naming the rank(s) that "
+                                  "stopped participating; 0 disables")
+    dump_dir: str = _f("", "watchdog report and per-rank stack dumps; empty = <tmp>/hybridpar-dumps/<run id>")
+    nan_policy: str = _f("stop", "non-finite loss or gradient norm: stop naming the step and rank, or skip "
+                                 "the update (parameters unchanged); under fp16 the loss scaler decides",
+                         choices=("stop", "skip"))
+    max_consecutive_skips: int = _f(5, "nan_policy=skip: stop after this many non-finite steps in a row")
+    straggler_every: int = _f(10, "every N steps gather each rank's mean busy time per step (time not waiting "
+                                  "in communication) into the metrics ('rank_busy_s'); 0 disables")
+    straggler_threshold: float = _f(1.5, "name a rank whose busy time exceeds this multiple of the median of "
+                                         "its pipeline stage's ranks (metrics 'straggler'); 0 disables naming")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    dir: str = _f("", "checkpoint folder (step_NNNNNN/ checkpoints and a `latest` pointer); empty: no "
+                      "checkpoints. Any layout can load them; a restarted torchrun worker resumes from it")
+    every: int = _f(0, "save every N steps; with dir set a checkpoint is also saved at the last step and on "
+                       "SIGTERM (all ranks save together, then exit 0)")
+    keep: int = _f(3, "keep the newest K checkpoints in dir; 0 keeps all")
+    resume: bool = _f(False, "continue from dir's latest checkpoint, if any (hybridpar train --resume)")
+    load: str = _f("", "start from this checkpoint (a step_NNNNNN folder, or a dir: its latest), in any "
+                       "layout: weights, optimizer state, step; checkpoint.dir's latest wins when resuming")
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    reliability: ReliabilityConfig = field(default_factory=ReliabilityConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
 _SECTION_TYPES = {"model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig,
-                  "data": DataConfig}
+                  "data": DataConfig,
+                  "reliability": ReliabilityConfig,
+                  "checkpoint": CheckpointConfig}
 
 
 def _suggest(name: str, options: typing.Iterable[str]) -> str:
@@ -167,6 +208,12 @@ def load_toml(path: str) -> dict:
             return tomllib.load(fh)
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path} is a folder; pass a .toml file") from None
+    except OSError as e:
+        raise ConfigError(f"config file {path} cannot be read: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
 
@@ -283,6 +330,33 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(f"data.val_fraction={cfg.data.val_fraction} must be between 0 and 1")
     if p.bucket_mb <= 0:
         raise ConfigError(f"parallel.bucket_mb={p.bucket_mb} must be positive")
+    c = cfg.checkpoint
+    for name in ("every", "keep"):
+        if getattr(c, name) < 0:
+            raise ConfigError(f"checkpoint.{name}={getattr(c, name)} must not be negative")
+    if (c.every or c.resume) and not c.dir:
+        raise ConfigError("checkpoint.every/checkpoint.resume need checkpoint.dir: the folder to save to "
+                          "and resume from")
+    r = cfg.reliability
+    if not r.deadline_s >= 0:
+        raise ConfigError(f"reliability.deadline_s={r.deadline_s} must be >= 0 (0 disables the watchdog)")
+    if r.max_consecutive_skips < 1:
+        raise ConfigError(f"reliability.max_consecutive_skips={r.max_consecutive_skips} must be at least 1")
+    if not (r.straggler_threshold == 0 or r.straggler_threshold > 1):
+        raise ConfigError(f"reliability.straggler_threshold={r.straggler_threshold} must be > 1 (0 disables)")
+    if m.init_from:  # reads only config files, so a mismatch fails before any process starts
+        from .hf import check_matches
+        check_matches(m, m.init_from)
+    if t.tensorboard:
+        import importlib.util
+        if importlib.util.find_spec("tensorboard") is None:
+            raise ConfigError(f"train.tensorboard={t.tensorboard!r} needs the tensorboard package: "
+                              f"pip install 'hybridpar[tensorboard]'")
+    if t.trace:
+        import importlib.util
+        if importlib.util.find_spec("matplotlib") is None:
+            raise ConfigError(f"train.trace={t.trace!r} draws a PNG timeline with matplotlib: "
+                              f"pip install 'hybridpar[plot]'")
     if world_size is not None and world_size != p.world_size:
         raise ConfigError(
             f"the launcher started {world_size} processes but dp*tp*pp = {p.dp}*{p.tp}*{p.pp} = "

@@ -17,14 +17,17 @@ import torch
 import torch.distributed as dist
 
 from . import data as data_mod
-from . import tb
+from . import checkpoint, tb, trace
 from .amp import LossScaler
 from .config import Config, TrainConfig
+from .errors import NonFiniteError, faults_for, inject
 from .memory import ActivationMeter, peak_memory_bytes, state_bytes
 from .mesh import ParallelMesh
 from .parallelize import ParallelModel, build_optimizer, parallelize
 from .pipeline.runtime import PipelineRunner
 from .pipeline.schedules import build as build_schedule, forward_only
+from . import watchdog
+from .watchdog import activity, find_straggler
 
 
 def lr_at(step: int, t: TrainConfig) -> float:
@@ -48,6 +51,17 @@ class Callbacks:
 def _all_reduce_scalars(values: list[float], mesh: ParallelMesh) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=mesh.device)
     if dist.is_initialized() and mesh.layout.world_size > 1:
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def _per_rank(value: float, mesh: ParallelMesh, what: str) -> list[float]:
+    """Every rank's ``value`` (an all-gather, as the all-reduce of a one-hot vector). Not run
+    every step: on an oversubscribed CPU its latency grows with the world size."""
+    t = torch.zeros(mesh.layout.world_size, dtype=torch.float64, device=mesh.device)
+    t[mesh.rank] = value
+    if dist.is_initialized() and mesh.layout.world_size > 1:
+        activity.mark(f"all-gather ({what})", comm=True)
         dist.all_reduce(t)
     return t.tolist()
 
@@ -84,6 +98,11 @@ class Trainer:
         self.meter = ActivationMeter(self.pm.module.parameters())
         self.runner.meter = self.meter
         self.step = 0
+        self.skips = 0  # consecutive steps skipped for a non-finite loss or gradient norm
+        self.busy = [0.0, 0]  # busy seconds and steps since the last straggler check
+        self.faults = faults_for(mesh.rank)  # HYBRIDPAR_FAULT, for testing failure handling
+        # --resume / checkpoint.load / a restarted torchrun worker: state of any layout's checkpoint
+        self.resumed_from = checkpoint.resume(self)
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         loss = self.pm.loss(logits, targets)
@@ -92,17 +111,23 @@ class Trainer:
     def train_step(self, callbacks: Callbacks | None = None) -> dict:
         cfg, mesh, pm = self.cfg, self.mesh, self.pm
         t0 = time.perf_counter()
+        activity.begin_step(self.step + 1)
+        activity.mark("data")
         xs, ys = _local_rows(self.step, cfg, mesh, self.dataset.train)
         pm.grad_sync.zero_grad()
         self.meter.reset()
         st = self.runner.run(self.actions, xs, ys)
+        activity.mark("grad sync", comm=True)
         pm.finish_grads()
+        activity.mark("grad norm")
         scale = self.scaler.scale if self.scaler is not None else 1.0
         if scale != 1.0:
             for b in pm.grad_sync.buckets:
                 b.grad.div_(scale)
         if callbacks and callbacks.after_backward:
             callbacks.after_backward(self.step, pm)
+        inject(self.faults, rank=mesh.rank, step=self.step + 1, pm=pm, activity=activity)
+        activity.mark("grad norm")
         sumsq, replicas = pm.grad_sumsq()
         loss = 0.0
         if pm.is_last and mesh.tp_rank == 0:
@@ -110,10 +135,19 @@ class Trainer:
             for mb in sorted(st.losses):
                 total = st.losses[mb] if total is None else total + st.losses[mb]
             loss = total.item()
+        bad = 2 if not math.isfinite(loss) else (0 if math.isfinite(sumsq) else 1)
+        self.busy = [self.busy[0] + activity.busy_s(), self.busy[1] + 1]
+        activity.mark("step all-reduce", comm=True)
         sumsq, loss = _all_reduce_scalars([sumsq, loss], mesh)
+        activity.mark("optimizer step")
         grad_norm, loss = math.sqrt(sumsq / replicas), loss / mesh.layout.dp / scale
         # fp16: an overflowed step is skipped (same decision on every rank: the norm is global)
         update = self.scaler.update(math.isfinite(grad_norm)) if self.scaler is not None else True
+        # fp32/bf16; under fp16 the loss scaler owns non-finite steps (overflow is expected there)
+        if self.scaler is None and not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            update = self._nonfinite(loss, grad_norm, _per_rank(bad, mesh, "non-finite flags"))
+        else:
+            self.skips = 0
         clip = cfg.train.grad_clip
         if clip > 0 and grad_norm > clip:
             coef = clip / (grad_norm + 1e-6)
@@ -129,16 +163,59 @@ class Trainer:
         self.step += 1
         p = cfg.parallel
         return {"step": self.step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
-                "step_time_s": dt,
+                "step_time_s": dt, "skipped": not update, **self._rank_times(),
                 "tokens_per_s": cfg.train.global_batch * cfg.model.seq_len / dt,
                 "max_mem_bytes": peak_memory_bytes(mesh.device),
                 "mem": {**state_bytes(list(pm.module.parameters()),
                                       [b.grad for b in pm.grad_sync.buckets], self.opt),
                         "activations": self.meter.peak},
                 "max_in_flight": st.max_in_flight,
-                **({"loss_scale": self.scaler.scale, "skipped": not update} if self.scaler else {}),
+                **({"loss_scale": self.scaler.scale} if self.scaler else {}),
                 "layout": {"dp": p.dp, "tp": p.tp, "pp": p.pp, "microbatches": p.microbatches,
                            "schedule": p.schedule}}
+
+    def _rank_times(self) -> dict:
+        """Every reliability.straggler_every steps: each rank's mean busy time per step (not
+        waiting in communication) since the last check, and the straggler, if any."""
+        every = self.cfg.reliability.straggler_every
+        if not every or self.step % every:
+            return {}
+        busy = _per_rank(self.busy[0] / self.busy[1], self.mesh, "busy times")
+        self.busy = [0.0, 0]
+        out = {"rank_busy_s": {"max": max(busy), "min": min(busy), "slowest": busy.index(max(busy)),
+                               "fastest": busy.index(min(busy))}}
+        slow = find_straggler(busy, self.mesh.layout, self.cfg.reliability.straggler_threshold)
+        if slow:
+            c = self.mesh.layout.coords(slow[0])
+            out["straggler"] = {"rank": slow[0], "ratio": round(slow[1], 2),
+                                "coords": f"dp={c['dp']}, tp={c['tp']}, pp={c['pp']}"}
+        return out
+
+    def _nonfinite(self, loss: float, grad_norm: float, bads: list[float]) -> bool:
+        """reliability.nan_policy for a step whose all-reduced loss or gradient norm is NaN/Inf
+        (so the same decision on every rank): raise NonFiniteError, or return False (skip the
+        update) up to max_consecutive_skips times in a row. The rank named is the lowest with a
+        non-finite local loss, else with non-finite local gradients; gradients are checked after
+        the dp average, which spreads a NaN to every dp replica of its stage."""
+        rel = self.cfg.reliability
+        self.skips += 1
+        what = "loss" if not math.isfinite(loss) else "gradient norm"
+        msg = f"non-finite {what} at step {self.step + 1} (loss={loss:.4g}, grad_norm={grad_norm:.4g})"
+        flagged = [r for r, b in enumerate(bads) if b == 2] or [r for r, b in enumerate(bads) if b]
+        if flagged:
+            c = self.mesh.layout.coords(flagged[0])
+            msg += (f", first on rank {flagged[0]} (dp={c['dp']}, tp={c['tp']}, pp={c['pp']})"
+                    + (f" of {len(flagged)} ranks" if len(flagged) > 1 else ""))
+        if rel.nan_policy == "stop":
+            raise NonFiniteError(f"{msg}; lower train.lr, check the data, or skip such steps with "
+                                 f"--reliability.nan_policy=skip")
+        if self.skips > rel.max_consecutive_skips:
+            raise NonFiniteError(f"{msg}: {self.skips} non-finite steps in a row exceed "
+                                 f"reliability.max_consecutive_skips={rel.max_consecutive_skips}; "
+                                 f"lower train.lr or check the data")
+        if self.mesh.rank == 0:
+            tb.rank_logger(self.mesh).warning(f"skipping the update of step {self.step + 1}: {msg}")
+        return False
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -150,6 +227,7 @@ class Trainer:
             st = self.runner.run(self.eval_actions, xs, ys)
             if self.pm.is_last and mesh.tp_rank == 0:
                 total += sum(v.item() for v in st.losses.values())
+        activity.mark("eval all-reduce", comm=True)
         (total,) = _all_reduce_scalars([total], mesh)
         return total / (n * mesh.layout.dp)
 
@@ -158,24 +236,35 @@ def train(cfg: Config, mesh: ParallelMesh, *, dataset=None, callbacks: Callbacks
     """Train ``cfg.train.steps`` steps on this rank; returns the per-step metrics (every rank)."""
     trainer = Trainer(cfg, mesh, dataset)
     t = cfg.train
+    tracer = trace.Tracer(mesh.rank).install(trainer) if t.trace else None
     is_rank0 = mesh.rank == 0
     bar = None
     if is_rank0 and t.progress:
         from tqdm import tqdm
-        bar = tqdm(total=t.steps, desc="train", unit="step", dynamic_ncols=True)
-    sink = open(t.metrics, "w") if (is_rank0 and t.metrics) else None
+        bar = tqdm(total=t.steps, initial=trainer.step, desc="train", unit="step", dynamic_ncols=True)
+    sink = open(t.metrics, "a" if trainer.step else "w") if (is_rank0 and t.metrics) else None
     board = tb.open_writer(cfg, mesh)  # rank 0 only, when train.tensorboard is set
     log = tb.rank_logger(mesh)
     history = []
+    last_slow = None
+    dog = watchdog.start(cfg, mesh)  # None on one rank or with reliability.deadline_s=0
+    saver = checkpoint.Saver.start(trainer)  # None without checkpoint.dir; catches SIGTERM
     try:
         while trainer.step < t.steps:
             m = trainer.train_step(callbacks)
+            activity.mark("metrics and logging")
             last = trainer.step == t.steps
             if t.eval_every and (trainer.step % t.eval_every == 0 or last):
                 m["val_loss"] = trainer.evaluate()
             m.update(tb.throughput(m, cfg))
             if not math.isfinite(m["loss"]) and is_rank0:
                 log.warning(f"step {m['step']}: loss is {m['loss']}")
+            slow = m.get("straggler", {}).get("rank")
+            if is_rank0 and slow is not None and slow != last_slow:
+                s = m["straggler"]
+                log.warning(f"step {m['step']}: rank {slow} ({s['coords']}) is a straggler: "
+                            f"{s['ratio']}x the median busy time of its peers")
+            last_slow = slow
             history.append(m)
             if board:
                 board.log(m)
@@ -190,11 +279,26 @@ def train(cfg: Config, mesh: ParallelMesh, *, dataset=None, callbacks: Callbacks
                 if "val_loss" in m:
                     post["val"] = f"{m['val_loss']:.4f}"
                 bar.set_postfix(post)
+            if saver is not None and saver.after_step(last=last):
+                if is_rank0:
+                    log.warning(f"SIGTERM: saved {saver.last_saved} at step {trainer.step}; stopping")
+                break
+    except BaseException as e:
+        if dog is not None:
+            dog.on_exception(e)  # the first failing rank speaks first; the others stop
+        raise
     finally:
+        if saver is not None:
+            saver.close()
+        if dog is not None:
+            dog.stop()
+        activity.idle()
         if bar is not None:
             bar.close()
         if sink:
             sink.close()
         if board:
             board.close()
+    if tracer is not None:
+        trace.finish(tracer, cfg, log=log)
     return history
