@@ -1,0 +1,275 @@
+"""``hybridpar calibrate --out PROFILE.json``: measure this machine for the planner.
+
+  matmul      achieved FLOP/s of the default model's matmul shapes (forward, input-gradient and
+              weight-gradient products of each), at 1 .. cores threads (threads per rank)
+  memory      the elementwise bandwidth that, with the matmul table, reproduces the measured
+              forward+backward time of a real block of the default model
+  collectives Gloo all-reduce, all-gather and send/recv (the runtime's own wrappers, via
+              ``bench.collectives``) on 2/4/8 ranks, each call between two matmuls as in
+              training (its cost: the loop's time minus the matmuls'): alpha + beta * bytes
+              fitted to 5 sizes
+  oversubscription  the slow-down of k concurrent 1-thread processes doing a block's work
+  overhead    the framework's fixed cost: a tiny block's forward+backward (per layer, pure
+              dispatch), a tiny model's training step at 1 and 8 micro-batches (per F/B action
+              and per step), and AdamW + gradient norm + zeroing per parameter
+
+The ranks of a CPU share its cores; the profile records the core count and the planner slows
+compute by busy threads / cores (see ``Cluster.contention``), the collectives being measured
+with all their ranks running.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from dataclasses import replace
+
+from .cluster import Cluster, Link, save_profile
+
+
+def _timeit(fn, min_s: float = 0.03, reps: int = 3) -> float:
+    """Best over ``reps`` of the mean seconds per call over >= ``min_s``."""
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        n, t0 = 0, time.perf_counter()
+        while True:
+            fn()
+            n += 1
+            dt = time.perf_counter() - t0
+            if dt >= min_s:
+                break
+        best = min(best, dt / n)
+    return best
+
+
+def matmul_table(threads: int) -> list[tuple[float, float]]:
+    """[(flops of one product, FLOP/s)] over the default model's shapes, tokens 128 .. 4096."""
+    import torch
+
+    from ..config import ModelConfig
+
+    torch.set_num_threads(threads)
+    m = ModelConfig()
+    rows = {}
+    for n in (128, 512, 2048, 4096):
+        for tp in (1, 2, 4):
+            for k, j in ((m.d_model, m.d_model // tp), (m.d_model, m.d_ff // tp), (m.d_ff // tp, m.d_model)):
+                x, w, gy = torch.randn(n, k), torch.randn(k, j), torch.randn(n, j)
+                t = (_timeit(lambda: x @ w) + _timeit(lambda: gy @ w.T) + _timeit(lambda: x.T @ gy)) / 3
+                flops = 2.0 * n * k * j
+                rows[flops] = max(rows.get(flops, 0.0), flops / t)
+    return sorted(rows.items())
+
+
+def elementwise_bw(threads: int, table: list[tuple[float, float]], layer_overhead: float) -> float:
+    """The bandwidth that makes the cost model's elementwise bytes account for what a real block
+    of the default model spends outside its matmuls: fwd+bwd = 3 (matmuls + bytes/bw) + the
+    fixed per-layer overhead, measured at 256 .. 2048 tokens. (A plain add streams far faster
+    than norms, RoPE, SDPA and SiLU with their autograd bookkeeping do.)"""
+    import torch
+
+    from ..config import ModelConfig
+    from ..model import Block, rope_tables
+    from .costs import matmuls
+    from .timing import elementwise_bytes
+
+    torch.set_num_threads(threads)
+    m = ModelConfig()
+    block, (cos, sin) = Block(m), rope_tables(m.seq_len, m.head_dim, m.rope_theta)
+    probe = Cluster(name="probe", matmul={threads: table})
+    rates = []
+    for rows in (2, 8, 16):
+        x = torch.randn(rows, m.seq_len, m.d_model, requires_grad=True)
+        t = _timeit(lambda: block(x, cos, sin).sum().backward(), min_s=0.2)
+        n = rows * m.seq_len
+        mm = sum(f / probe.flop_rate(f, threads) for _, _, f in matmuls(m, n, 1))
+        rest = max(t - layer_overhead - 3 * mm, 0.1 * t)
+        rates.append(3 * elementwise_bytes(m, n, 1, False, 4) / rest)
+    return statistics.median(rates)
+
+
+def overheads() -> dict[str, float]:
+    """Fixed seconds per layer (forward + backward), per F/B action and per step, fitted to
+    t(L, M) = step + M (2 action + L layer) over training steps of a tiny model (so dispatch,
+    the activation meter's and the gradient hooks are counted as the runtime pays them), and
+    AdamW + gradient norm + zeroing per parameter; ``bare_layer``: a tiny block alone."""
+    import torch
+
+    from ..config import Config, ModelConfig, ParallelConfig, TrainConfig
+    from ..mesh import single_mesh
+    from ..model import Block, rope_tables
+    from ..testing import tiny_dataset
+    from ..train import Trainer
+
+    torch.set_num_threads(1)
+    tiny = ModelConfig(n_layers=1, d_model=16, n_heads=2, n_kv_heads=1, d_ff=32, seq_len=8)
+    block, (cos, sin) = Block(tiny), rope_tables(8, tiny.head_dim, tiny.rope_theta)
+    x = torch.randn(1, 8, 16, requires_grad=True)
+    bare = _timeit(lambda: block(x, cos, sin).sum().backward(), min_s=0.2)
+    data = tiny_dataset()
+
+    def step_time(L: int, M: int) -> float:
+        cfg = Config(model=replace(tiny, n_layers=L), parallel=ParallelConfig(dp=1, microbatches=M),
+                     train=TrainConfig(global_batch=M, steps=100, eval_every=0, progress=False,
+                                       threads_per_rank=1))
+        tr = Trainer(cfg, single_mesh(), dataset=data)
+        times = [tr.train_step()["step_time_s"] for _ in range(25)]
+        return statistics.median(times[5:])
+
+    t = {(L, M): step_time(L, M) for L in (1, 4) for M in (1, 8)}
+    per_mb = {L: (t[L, 8] - t[L, 1]) / 7 for L in (1, 4)}
+    layer = max(bare, (per_mb[4] - per_mb[1]) / 3)
+    params = [torch.nn.Parameter(torch.randn(2 ** 20)) for _ in range(2)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-3)
+
+    def update():
+        sum(torch.linalg.vector_norm(p.grad, dtype=torch.float64).item() ** 2 for p in params)
+        for p in params:
+            p.grad.mul_(0.5)
+        opt.step()
+        for p in params:
+            p.grad.zero_()
+    per_param = _timeit(update, min_s=0.2) / 2 ** 21
+    return {"layer": layer, "action": max(0.0, (per_mb[1] - layer) / 2), "comm": 0.0,
+            "step": max(0.0, t[1, 1] - per_mb[1]), "param": per_param, "bare_layer": bare}
+
+
+def _block_loop(seconds: float, start, out) -> None:
+    """Train-like work of one 1-thread rank: a default-model block forward+backward in a loop."""
+    import torch
+
+    from ..config import ModelConfig
+    from ..model import Block, rope_tables
+
+    torch.set_num_threads(1)
+    m = ModelConfig()
+    block, (cos, sin) = Block(m), rope_tables(m.seq_len, m.head_dim, m.rope_theta)
+    x = torch.randn(4, m.seq_len, m.d_model, requires_grad=True)
+    block(x, cos, sin).sum().backward()
+    start.wait()
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        block(x, cos, sin).sum().backward()
+        n += 1
+    out.put((time.perf_counter() - t0) / n)
+
+
+def oversubscription(ks: tuple[int, ...] = (1, 2, 4, 8), seconds: float = 3.0) -> dict[int, float]:
+    """Slow-down of each of k concurrent 1-thread processes doing a block's work, against one
+    alone: what k ranks sharing the cores really cost (ideal: max(1, k / cores))."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    per_iter = {}
+    for k in ks:
+        start, out = ctx.Event(), ctx.Queue()
+        procs = [ctx.Process(target=_block_loop, args=(seconds, start, out)) for _ in range(k)]
+        for p in procs:
+            p.start()
+        time.sleep(2.0 + 0.5 * k)  # let every process import torch and warm up
+        start.set()
+        times = [out.get() for _ in procs]
+        for p in procs:
+            p.join()
+        per_iter[k] = statistics.mean(times)
+    return {k: per_iter[k] / per_iter[ks[0]] for k in ks}
+
+
+def _fit(points: list[tuple[float, float]]) -> list[float]:
+    """alpha, beta of t = alpha + beta * bytes, least squares on relative error."""
+    import numpy as np
+
+    x = np.array([[1.0, b] for b, _ in points])
+    t = np.array([s for _, s in points])
+    w = 1.0 / t
+    (alpha, beta), *_ = np.linalg.lstsq(x * w[:, None], t * w, rcond=None)
+    return [max(float(alpha), 0.0), max(float(beta), 0.0)]
+
+
+def _collectives_worker(sizes: list[int], iters: int) -> dict | None:
+    import torch
+    import torch.distributed as dist
+
+    from ..bench.collectives import _time, cases
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    a, w = torch.randn(1024, 256), torch.randn(256, 768)  # ~5 ms: a tp layer's matmul
+    try:
+        n, out = dist.get_world_size(), {}
+        for name, (_, numel, ours, _raw) in cases(n).items():
+            if name == "reduce-scatter":  # Gloo has none: the runtime all-reduces (costed so)
+                continue
+            pts = []
+            for size in sizes:
+                x = torch.randn(numel(size // 4))
+                _time(ours, x, dist.group.WORLD, 2)
+                # in situ: between two matmuls, as in training, where the ranks drift apart
+                # and the transfer competes with compute for the cores; the collective's cost
+                # is the loop's time minus the compute's
+                t = min(_time(lambda v, g: (a @ w, ours(v, g)), x, dist.group.WORLD, iters)
+                        - _time(lambda v, g: a @ w, x, dist.group.WORLD, iters) for _ in range(3))
+                slowest = torch.tensor([max(t, 1e-6)], dtype=torch.float64)
+                dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+                pts.append((size, slowest.item()))
+            out[name] = _fit(pts)
+        return out if dist.get_rank() == 0 else None
+    finally:
+        dist.destroy_process_group()
+
+
+def calibrate(ranks: tuple[int, ...] = (2, 4, 8), *, log=print) -> Cluster:
+    from ..launch import spawn
+
+    cores = os.cpu_count() or 1
+    thread_counts = sorted({1, cores})
+    t0 = time.time()
+    matmul = {t: matmul_table(t) for t in thread_counts}
+    for t in thread_counts:  # more threads are never slower: a lower figure is another
+        matmul[t] = [(f, max(r, r1)) for (f, r), (_, r1) in zip(matmul[t], matmul[1])]  # job's noise
+    log(f"matmul: best {max(r for _, r in matmul[1]) / 1e9:.1f} GFLOP/s on 1 thread ({time.time() - t0:.0f} s)")
+    ovh = overheads()
+    bare = ovh.pop("bare_layer")  # the block timed for the bandwidth runs without the runtime
+    mem_bw = {t: elementwise_bw(t, matmul[t], bare) for t in thread_counts}
+    log(f"elementwise: {', '.join(f'{v / 1e9:.1f} GB/s on {t} threads' for t, v in mem_bw.items())}")
+    over = oversubscription(tuple(sorted({1, *ranks})))
+    log("oversubscription: " + ", ".join(f"{k} ranks x{v:.2f}" for k, v in over.items()))
+    log("overhead: " + ", ".join(f"{k} {v * 1e6:.2f} us" for k, v in ovh.items()))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    sizes = [4 << 10, 64 << 10, 512 << 10, 2 << 20, 8 << 20]
+    coll: dict = {}
+    for n in ranks:
+        for op, ab in spawn(_collectives_worker, n, sizes, 5)[0].items():
+            coll.setdefault(op, {})[n] = ab
+        log(f"collectives on {n} ranks: " + ", ".join(
+            f"{op} {coll[op][n][0] * 1e6:.0f} us + {1e-9 / max(coll[op][n][1], 1e-30):.2f} GB/s"
+            for op in coll))
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    p2p = coll["send/recv"][min(coll["send/recv"])]
+    link = Link(p2p[0], 1.0 / max(p2p[1], 1e-30))
+    return Cluster(name="calibrated cpu", nodes=1, devices_per_node=cores, mem_bytes=float(ram),
+                   peak_flops=max(r for _, r in matmul[1]), matmul=matmul, mem_bw=mem_bw,
+                   intra=link, inter=link, collectives=coll, overhead=ovh, cores=cores,
+                   oversubscription=over,
+                   backend="gloo", dtype_bytes=4)
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="hybridpar calibrate", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="profile JSON to write (use: hybridpar plan --cluster OUT)")
+    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8],
+                    help="group sizes to measure the collectives at")
+    a = ap.parse_args(argv)
+    folder = os.path.dirname(os.path.abspath(a.out))
+    if not os.path.isdir(folder):
+        from ..config import ConfigError
+        raise ConfigError(f"--out={a.out!r}: folder {folder!r} does not exist")
+    c = calibrate(tuple(a.ranks))
+    save_profile(c, a.out)
+    print(f"wrote {a.out}; use: hybridpar plan --cluster {a.out}")
+    return 0
+

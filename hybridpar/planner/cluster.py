@@ -1,0 +1,174 @@
+"""Cluster descriptions: ready-made GPU profiles, and calibrated profiles of this machine (JSON).
+
+A profile holds what the cost model needs and nothing about a layout:
+
+  compute   achieved matmul FLOP/s as a function of the matmul's FLOPs (a table interpolated in
+            log(flops)); per threads-per-rank on a CPU, one entry on a GPU
+  memory    elementwise bandwidth (norms, activations, residuals, the optimizer: memory-bound)
+  links     alpha (latency, s) and bandwidth (bytes/s) inside a node and between nodes; a
+            calibrated profile also has measured alpha/beta per collective and group size
+  overhead  fixed seconds the framework spends per compute action, per layer, per communication
+            batch and per step (Python dispatch: what dominates a tiny model on a CPU)
+
+GPU numbers are public peak figures with efficiencies typical of large cuBLAS GEMMs and of
+NCCL's achievable bus bandwidth (``busbw``); they are assumptions, not measurements.
+"""
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field, replace
+
+from ..config import ConfigError
+
+
+@dataclass(frozen=True)
+class Link:
+    alpha: float
+    """Latency of one message, s."""
+    bw: float
+    """Achievable bus bandwidth per device, bytes/s."""
+
+
+@dataclass(frozen=True)
+class Cluster:
+    name: str
+    nodes: int = 1
+    devices_per_node: int = 8
+    mem_bytes: float = 80e9
+    """Memory of one device (a CPU: the machine's RAM)."""
+    peak_flops: float = 312e12
+    """Peak dense FLOP/s of one device in the compute dtype (a CPU: of one core)."""
+    matmul: dict = field(default_factory=dict)
+    """{threads per rank: [(matmul flops, achieved FLOP/s), ...]} sorted by flops."""
+    mem_bw: dict = field(default_factory=dict)
+    """{threads per rank: elementwise bytes/s}."""
+    intra: Link = Link(10e-6, 230e9)
+    inter: Link = Link(20e-6, 23e9)
+    collectives: dict = field(default_factory=dict)
+    """Calibrated: {op: {n: [alpha_s, s_per_byte]}}, time = alpha + bytes * beta (full tensor)."""
+    overhead: dict = field(default_factory=lambda: {"action": 20e-6, "layer": 0.0, "comm": 0.0,
+                                                    "step": 5e-3, "param": 0.0})
+    cores: int = 0
+    """CPU cores shared by the ranks (0: a GPU, one device per rank, no sharing)."""
+    oversubscription: dict = field(default_factory=dict)
+    """Calibrated: {k: slow-down of a 1-thread rank when k of them compute at once}."""
+    backend: str = "nccl"
+    """gloo has no reduce-scatter: the runtime all-reduces instead (ZeRO-1, sequence parallel)."""
+    dtype_bytes: int = 2
+    """Bytes of an activation element in the compute dtype (2: bf16 autocast, 4: fp32)."""
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    @property
+    def device_mem(self) -> float:
+        """Memory one rank may use: a CPU's RAM is shared by its ranks."""
+        return self.mem_bytes / self.devices_per_node if self.cores else self.mem_bytes
+
+    def peak_total(self, world: int) -> float:
+        """Peak FLOP/s of ``world`` ranks (MFU's denominator); a CPU's peak is per core."""
+        return self.peak_flops * (min(world, self.cores) if self.cores else world)
+
+    def threads_per_rank(self, ranks_per_node: int) -> int:
+        """What ``launch.set_threads`` picks: cores // local ranks, at least 1."""
+        return max(1, self.cores // ranks_per_node) if self.cores else 1
+
+    def contention(self, busy_ranks: float) -> float:
+        """Slow-down of compute when more threads want to run than there are cores. The ranks
+        of a CPU share its cores: the rate per rank is the calibrated rate * min(1, cores/busy)."""
+        if not self.cores:
+            return 1.0
+        t = self.threads_per_rank(self.devices_per_node)
+        table = sorted(self.oversubscription.items())
+        if t > 1 or len(table) < 2:
+            return max(1.0, busy_ranks * t / self.cores)
+        # measured: beyond cores/ranks, context switches and shared caches cost extra
+        k = min(max(busy_ranks, table[0][0]), table[-1][0])
+        i = max(1, bisect.bisect_left([x for x, _ in table], k))
+        (k0, f0), (k1, f1) = table[i - 1], table[i]
+        slow = f0 + (f1 - f0) * (k - k0) / (k1 - k0)
+        if busy_ranks > table[-1][0]:
+            slow *= busy_ranks / table[-1][0]
+        return max(1.0, slow)
+
+    def flop_rate(self, flops: float, threads: int = 1) -> float:
+        """Achieved FLOP/s of one matmul of ``flops``, interpolated in log(flops)."""
+        table = self.matmul[min(self.matmul, key=lambda t: abs(int(t) - threads))]
+        xs = [math.log(f) for f, _ in table]
+        x = math.log(max(flops, 1.0))
+        i = bisect.bisect_left(xs, x)
+        if i == 0:
+            return table[0][1] * flops / table[0][0] if flops < table[0][0] else table[0][1]
+        if i == len(xs):
+            return table[-1][1]
+        w = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+        return table[i - 1][1] * (1 - w) + table[i][1] * w
+
+    def elementwise_bw(self, threads: int = 1) -> float:
+        return self.mem_bw[min(self.mem_bw, key=lambda t: abs(int(t) - threads))]
+
+
+def _gpu(name: str, *, peak: float, mem: float, hbm: float, nvlink: float, nic: float) -> Cluster:
+    # cuBLAS efficiency by GEMM size: small GEMMs are latency/launch bound, large ones ~85% of peak
+    eff = [(1e6, 0.02), (1e8, 0.25), (1e9, 0.5), (1e10, 0.7), (1e11, 0.8), (1e12, 0.85)]
+    return Cluster(name=name, mem_bytes=mem, peak_flops=peak, matmul={1: [(f, e * peak) for f, e in eff]},
+                   mem_bw={1: 0.8 * hbm}, intra=Link(10e-6, nvlink), inter=Link(25e-6, nic))
+
+
+PRESETS = {
+    # A100 SXM4 80GB: 312 TFLOP/s bf16, 2.0 TB/s HBM, NVLink3 600 GB/s both ways (~230 GB/s busbw),
+    # one 200 Gb/s HDR InfiniBand NIC per GPU (~23 GB/s achievable)
+    "a100-80g": _gpu("a100-80g", peak=312e12, mem=80e9, hbm=2.0e12, nvlink=230e9, nic=23e9),
+    # H100 SXM5 80GB: 989 TFLOP/s bf16 dense, 3.35 TB/s, NVLink4 900 GB/s (~360 busbw), 400 Gb/s NDR
+    "h100-80g": _gpu("h100-80g", peak=989e12, mem=80e9, hbm=3.35e12, nvlink=360e9, nic=46e9),
+    # H200: the H100 compute with 141 GB at 4.8 TB/s
+    "h200": _gpu("h200", peak=989e12, mem=141e9, hbm=4.8e12, nvlink=360e9, nic=46e9),
+    # an uncalibrated CPU guess (one rank per core, fp32); `hybridpar calibrate` replaces it
+    "cpu": Cluster(name="cpu", nodes=1, devices_per_node=os.cpu_count() or 1, mem_bytes=16e9,
+                   peak_flops=50e9, matmul={1: [(1e5, 5e9), (1e7, 30e9), (1e9, 50e9)]},
+                   mem_bw={1: 5e9}, intra=Link(100e-6, 1e9), inter=Link(100e-6, 1e9),
+                   overhead={"action": 1e-3, "layer": 5e-4, "comm": 2e-4, "step": 5e-3,
+                             "param": 2e-9},
+                   cores=os.cpu_count() or 1, backend="gloo", dtype_bytes=4),
+}
+
+
+def load_cluster(spec: str, *, nodes: int | None = None, devices_per_node: int | None = None) -> Cluster:
+    """A preset name or a calibrated profile JSON, with the node count/size overridden."""
+    if spec in PRESETS:
+        c = PRESETS[spec]
+    elif spec.endswith(".json") or os.path.exists(spec):
+        c = load_profile(spec)
+    else:
+        raise ConfigError(f"--cluster={spec!r} is neither a preset ({', '.join(PRESETS)}) nor a "
+                          f"profile JSON written by `hybridpar calibrate`")
+    for name, v in (("nodes", nodes), ("devices_per_node", devices_per_node)):
+        if v is not None and v < 1:
+            raise ConfigError(f"--{name.replace('_', '-')}={v} must be at least 1")
+    return replace(c, nodes=nodes or c.nodes, devices_per_node=devices_per_node or c.devices_per_node)
+
+
+def save_profile(c: Cluster, path: str) -> None:
+    with open(path, "w") as fh:
+        json.dump(asdict(c), fh, indent=1)
+
+
+def load_profile(path: str) -> Cluster:
+    try:
+        with open(path) as fh:
+            d = json.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"cluster profile {path} does not exist; write one with "
+                          f"`hybridpar calibrate --out {path}`") from None
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"cluster profile {path} cannot be read: {e}") from None
+    d["intra"], d["inter"] = Link(**d["intra"]), Link(**d["inter"])
+    d["matmul"] = {int(t): [tuple(x) for x in rows] for t, rows in d["matmul"].items()}
+    d["mem_bw"] = {int(t): v for t, v in d["mem_bw"].items()}
+    d["collectives"] = {op: {int(n): ab for n, ab in by_n.items()} for op, by_n in d["collectives"].items()}
+    d["oversubscription"] = {int(k): v for k, v in d.get("oversubscription", {}).items()}
+    return Cluster(**d)

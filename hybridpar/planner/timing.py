@@ -1,0 +1,197 @@
+"""Step time of a layout: cost-model durations run through the runtime's own schedule simulator.
+
+Per virtual stage and micro-batch the cost model gives the forward and backward seconds (matmuls
+at the calibrated rate for their size, memory-bound elementwise work, tp collectives, which
+block the rank, recomputation, and the framework's fixed per-layer / per-action overhead);
+``pipeline.simulate`` runs the very action lists ``hybridpar train`` executes with them, the p2p
+transfer as each message's time. After the schedule, per stage: the dp gradient all-reduce
+(ZeRO-1: reduce-scatter + parameter all-gather), of which all buckets but the last are assumed
+hidden behind the last backward (they are launched as they become ready), the optimizer, and
+the per-step overhead. The step ends when the slowest stage is done (the runtime's step-end
+all-reduce of loss and norm synchronises every rank).
+
+On a CPU the ranks share the cores: compute is slowed by busy threads / cores, where the busy
+ranks are the world times the non-idle share of the pipeline found by a first simulation.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from ..config import ModelConfig
+from ..pipeline.schedules import Op, build
+from ..pipeline.simulate import simulate
+from .cluster import Cluster
+from .costs import (OPT_BYTES, Plan, collective_time, head_flops, matmuls, spans_nodes, stage_layers,
+                    stage_params)
+
+SIM_LIMIT = 2048
+"""Compute actions simulated exactly; beyond it, linear extrapolation in M from two smaller
+simulations (the steady state of every schedule adds the same time per micro-batch), and
+beyond that a closed form (both checked against the full simulation in the tests)."""
+
+
+@dataclass(frozen=True)
+class Prediction:
+    step_time: float
+    makespan: float
+    """The pipeline schedule alone."""
+    bubble: float
+    comm: dict
+    """Seconds per step of each axis's communication on the slowest stage (tp, pp, dp)."""
+    method: str
+    """'simulate', 'extrapolate' or 'closed form'."""
+
+
+def elementwise_bytes(m: ModelConfig, n: int, tp: int, sp: bool, a: int) -> float:
+    """Memory traffic of the non-matmul work of one block's forward on n tokens: RMSNorms in
+    fp32 (~24 passes of n*d), RoPE, kv-head repeats and the attention kernel's own traffic
+    (~14 passes per query head, 10 per kv head), SwiGLU (~8 passes of n*f), tp output clones.
+    Only the proportions matter: ``calibrate`` fits the bandwidth that turns these bytes into
+    the measured time of a real block, so they act as a per-shape weighting."""
+    d, e, f = m.d_model, m.head_dim, m.d_ff // tp
+    h, g = m.n_heads // tp, m.n_kv_heads // tp
+    return (4 * n * d * 24 / (tp if sp else 1) + a * (n * e * (14 * h + 10 * g) + 8 * n * f)
+            + (4 * a * n * d if tp > 1 else 0))
+
+
+def _chunk_costs(m: ModelConfig, plan: Plan, c: Cluster, *, layers: int, embed: bool, head: bool,
+                 slow: float) -> tuple[float, float, float]:
+    """(forward s, backward s, tp communication s of both) of one micro-batch on one chunk."""
+    t, a = plan.tp, c.dtype_bytes
+    n, d = plan.mb_size * m.seq_len, m.d_model
+    h, g, e, f = m.n_heads // t, m.n_kv_heads // t, m.head_dim, m.d_ff // t
+    threads = c.threads_per_rank(min(c.devices_per_node, plan.world))
+    bw = c.elementwise_bw(threads)
+    sp = plan.sequence_parallel and t > 1
+
+    def mm(flops: float) -> float:
+        return flops / c.flop_rate(flops, threads)
+
+    core = next(x for name, _, x in matmuls(m, n, t) if name == "attention")
+    mm_f = sum(mm(x) for _, _, x in matmuls(m, n, t))
+    ew_f = elementwise_bytes(m, n, t, sp, a) / bw
+    ovh = c.overhead
+    # the framework's dispatch is CPU work too: it slows down with the compute
+    layer_f = (mm_f + ew_f + ovh["layer"] / 3) * slow
+    layer_b = (2 * (mm_f + ew_f) + 2 * ovh["layer"] / 3) * slow
+    act = n * d * a
+    if t > 1:
+        if sp:  # all-gather in, reduce-scatter out, per region
+            tp1 = collective_time(c, "all-gather", t, act) + collective_time(c, "reduce-scatter", t, act)
+        else:
+            tp1 = collective_time(c, "all-reduce", t, act)
+    else:
+        tp1 = 0.0
+    comm_f = comm_b = 2 * tp1 * layers
+    fwd, bwd = layers * layer_f + comm_f, layers * layer_b + comm_b
+    if plan.recompute == "full":
+        bwd += layers * layer_f + comm_f
+        comm_b += comm_f
+    elif plan.recompute == "selective":
+        bwd += layers * mm(core) * slow
+    if embed:
+        fwd += 3 * act / bw * slow + (tp1 / 2 if t > 1 else 0)
+        comm_f += tp1 / 2 if t > 1 else 0
+    if head:
+        hf = head_flops(m, n, t)
+        ew = (4 * n * d * 12 + 4 * n * m.vocab_size / t * 6) / bw
+        fwd += (mm(hf) + ew) * slow
+        bwd += 2 * (mm(hf) + ew) * slow
+        if t > 1:  # vocab-parallel CE: 2 all-reduces of n values; backward: copy_to_tp's
+            ce = collective_time(c, "all-reduce", t, 4 * n) + collective_time(c, "all-reduce", t, 8 * n)
+            fwd, bwd = fwd + ce, bwd + tp1 / 2
+            comm_f, comm_b = comm_f + ce, comm_b + tp1 / 2
+    return fwd + ovh["action"] * slow, bwd + ovh["action"] * slow, comm_f + comm_b
+
+
+def _post_schedule(m: ModelConfig, plan: Plan, c: Cluster, stage: int, last_bwd: float,
+                   slow: float) -> tuple[float, float]:
+    """(seconds after the schedule on ``stage``, of which dp communication)."""
+    n, _ = stage_params(m, plan, stage)
+    grads = 4.0 * n
+    inter = spans_nodes(c, plan, "dp")
+    if plan.zero1:
+        sync = collective_time(c, "reduce-scatter", plan.dp, grads, inter=inter)
+        gather = collective_time(c, "all-gather", plan.dp, grads, inter=inter)
+    else:
+        sync, gather = collective_time(c, "all-reduce", plan.dp, grads, inter=inter), 0.0
+    buckets = max(1, -(-grads // (25 * 2 ** 20)))
+    exposed = sync - min(last_bwd, sync * (buckets - 1) / buckets)
+    shard = plan.dp if plan.zero1 else 1
+    threads = c.threads_per_rank(min(c.devices_per_node, plan.world))
+    per_param = c.overhead.get("param") or OPT_BYTES / c.elementwise_bw(threads)
+    opt = (n / shard + n) / 2 * per_param * slow  # the moments on the shard; norm/zero on all
+    scalars = collective_time(c, "all-reduce", plan.world, 16, inter=c.world > c.devices_per_node)
+    return exposed + gather + opt + scalars + c.overhead["step"], exposed + gather
+
+
+@lru_cache(maxsize=4096)
+def _makespan(name: str, p: int, M: int, v: int, fwd: tuple, bwd: tuple, tc: float, quick: bool):
+    """(makespan, per-rank end, bubble, method) of the schedule with these per-virtual-stage
+    durations and message time ``tc``; cached, as layouts differing only after the schedule
+    (ZeRO-1, say) share it."""
+
+    def sim(mbs: int):
+        r = simulate(build(name, p, mbs, v), p, v,
+                     duration=lambda rank, a: (fwd if a.op is Op.FWD else bwd)[a.chunk * p + rank],
+                     comm_time=lambda rank, a: tc)
+        ends = [0.0] * p
+        for ev in r.events:
+            ends[ev.rank] = max(ends[ev.rank], ev.end)
+        return r.makespan, ends, r.bubble_fraction
+
+    work = [sum(fwd[ch * p + r] + bwd[ch * p + r] for ch in range(v)) for r in range(p)]
+    if quick:
+        return _closed_form(p, M, v, fwd, bwd, tc, work)
+    if 2 * p * v * M <= SIM_LIMIT:
+        return (*sim(M), "simulate")
+    cap = SIM_LIMIT // (2 * p * v)
+    m2 = cap - cap % p if v > 1 else cap
+    if m2 - p >= p:
+        (t1, _, _), (t2, ends, _) = sim(m2 - p), sim(m2)
+        extra = (t2 - t1) / p * (M - m2)
+        total = t2 + extra
+        return total, [x + extra for x in ends], 1 - sum(work) * M / (p * total), "extrapolate"
+    return _closed_form(p, M, v, fwd, bwd, tc, work)
+
+
+def _closed_form(p: int, M: int, v: int, fwd: tuple, bwd: tuple, tc: float, work: list[float]):
+    """Uniform stages: (vM + p - 1) chunk steps of F + B (GPipe, 1F1B and interleaved alike);
+    here M times the slowest rank's work plus p - 1 average chunk steps of fill and drain, plus
+    the blocking messages on the critical path (about 2 per step without interleaving, 1.2 with:
+    fitted to the simulator, checked in the tests)."""
+    chunk = [fwd[i] + bwd[i] for i in range(p * v)]
+    hops = 2 * (M + p - 1) if v == 1 else 1.2 * (v * M + p - 1)
+    total = M * max(work) + (p - 1) * sum(chunk) / len(chunk) + hops * tc
+    return total, [total] * p, 1 - sum(work) * M / (p * total), "closed form"
+
+
+def predict_time(m: ModelConfig, plan: Plan, c: Cluster, *, quick: bool = False) -> Prediction:
+    """Predicted step; ``quick`` uses the closed form instead of the simulator (for pruning)."""
+    split, V, p = stage_layers(m, plan), plan.pp * plan.virtual_stages, plan.pp
+    act = plan.mb_size * m.seq_len * m.d_model * c.dtype_bytes / (plan.tp if plan.sequence_parallel else 1)
+    tc = collective_time(c, "send/recv", 2, act, inter=spans_nodes(c, plan, "pp")) + c.overhead["comm"]
+    if p == 1:
+        tc = 0.0
+    slow = c.contention(plan.world) if c.cores else 1.0
+    for _ in range(2 if c.cores else 1):  # CPU: re-estimate the busy ranks once
+        kinds = {(split[v], v == 0, v == V - 1) for v in range(V)}  # most chunks are alike
+        cost = {k: _chunk_costs(m, plan, c, layers=k[0], embed=k[1], head=k[2], slow=slow) for k in kinds}
+        costs = [cost[split[v], v == 0, v == V - 1] for v in range(V)]
+        fwd, bwd = [x[0] for x in costs], [x[1] for x in costs]
+        makespan, ends, bubble, method = _makespan(plan.schedule, p, plan.microbatches,
+                                                   plan.virtual_stages, tuple(fwd), tuple(bwd), tc, quick)
+        compute = sum(f + b - cm for f, b, cm in costs) * plan.microbatches
+        busy = compute / (p * makespan) if makespan else 1.0
+        slow = c.contention(plan.world * busy) if c.cores else 1.0
+    post = []
+    for s in range(p):
+        last_bwd = bwd[s]  # chunk 0 of stage s ends the schedule there
+        post.append(_post_schedule(m, plan, c, s, last_bwd, slow))
+    ends_total = [ends[s] + post[s][0] for s in range(p)]
+    worst = max(range(p), key=lambda s: ends_total[s])
+    tp_comm = sum(costs[ch * p + worst][2] for ch in range(plan.virtual_stages)) * plan.microbatches
+    n_msgs = 2 * plan.microbatches * plan.virtual_stages if p > 1 else 0
+    return Prediction(step_time=max(ends_total), makespan=makespan, bubble=bubble,
+                      comm={"tp": tp_comm, "pp": n_msgs * tc, "dp": post[worst][1]}, method=method)

@@ -1,0 +1,189 @@
+"""The planner: cost model against hand-computed values, the simulator against the schedules'
+closed forms, memory against the runtime's activation meter, and the plan for a published run."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from hybridpar import tb
+from hybridpar.cli import main
+from hybridpar.config import ModelConfig
+from hybridpar.pipeline.schedules import build, in_flight
+from hybridpar.planner import timing
+from hybridpar.planner.cluster import PRESETS, Cluster, Link, load_cluster, load_profile, save_profile
+from hybridpar.planner.costs import (Plan, activations, collective_time, layer_flops, memory,
+                                     peak_memory, ring_bytes, spans_nodes, step_flops)
+from hybridpar.planner.costs import in_flight as in_flight_formula
+from hybridpar.planner.search import MODELS, best_for, candidates, check, rank
+
+SMALL = ModelConfig(n_layers=8, d_model=64, n_heads=4, n_kv_heads=2, d_ff=192, vocab_size=128, seq_len=16)
+CPU = replace(PRESETS["cpu"], nodes=1, devices_per_node=8, cores=8)
+
+
+def test_layer_flops_by_hand():
+    # per token: q 2*64*64, k and v 2*64*32 each (2 kv heads of 16), o 2*64*64,
+    # SwiGLU 3 * 2*64*192, attention scores and values 4*16*64
+    per_token = 8192 + 4096 + 4096 + 8192 + 73728 + 4096
+    assert layer_flops(SMALL, 10) == 10 * per_token
+    assert layer_flops(SMALL, 10, tp=2) == 10 * per_token / 2
+    n = 3 * SMALL.seq_len
+    assert step_flops(SMALL, 3) == pytest.approx(tb.flops_per_token(SMALL) * n)
+
+
+def test_ring_bytes_and_alpha_beta():
+    assert ring_bytes("all-reduce", 4, 1000) == 1500  # 2(n-1)/n
+    assert ring_bytes("all-gather", 4, 1000) == 750
+    assert ring_bytes("all-reduce", 1, 1000) == 0
+    c = Cluster(name="t", intra=Link(1e-5, 1e9), inter=Link(1e-4, 1e8))
+    assert collective_time(c, "all-reduce", 4, 1e6) == pytest.approx(6e-5 + 1.5e-3)  # ring
+    assert collective_time(c, "all-reduce", 4, 1e3) == pytest.approx(4e-5 + 2e-6)  # tree wins
+    assert collective_time(c, "reduce-scatter", 4, 1e6, inter=True) == pytest.approx(3e-4 + 7.5e-3)
+    assert collective_time(c, "send/recv", 2, 1e6) == pytest.approx(1e-5 + 1e-3)
+
+
+def test_axis_spans_nodes_in_rank_order():
+    c = replace(PRESETS["a100-80g"], nodes=4, devices_per_node=8)
+    p = Plan(dp=2, tp=4, pp=4, microbatches=4, mb_size=1)
+    assert not spans_nodes(c, p, "tp") and not spans_nodes(c, p, "dp") and spans_nodes(c, p, "pp")
+    assert spans_nodes(c, replace(p, dp=4, pp=2), "dp")
+
+
+def _uniform(plan: Plan) -> tuple[float, float]:
+    """The cost model's forward/backward seconds of a chunk of layers only."""
+    layers = SMALL.n_layers // (plan.pp * plan.virtual_stages)
+    f, b, _ = timing._chunk_costs(SMALL, plan, CPU, layers=layers, embed=False, head=False, slow=1.0)
+    return f, b
+
+
+@pytest.mark.parametrize("name,p,M,v", [("1f1b", 4, 8, 1), ("1f1b", 2, 5, 1), ("gpipe", 4, 8, 1),
+                                        ("interleaved", 4, 8, 2), ("interleaved", 2, 4, 4)])
+def test_simulated_bubble_matches_closed_form(name, p, M, v):
+    plan = Plan(1, 1, p, M, 1, name, v)
+    f, b = _uniform(plan)
+    span, _, bubble, how = timing._makespan(name, p, M, v, (f,) * p * v, (b,) * p * v, 0.0, False)
+    assert how == "simulate"
+    assert bubble == pytest.approx((p - 1) / (v * M + p - 1))
+    assert span == pytest.approx((v * M + p - 1) * (f + b))
+
+
+@pytest.mark.parametrize("name,p,M,v", [("1f1b", 4, 16, 1), ("1f1b", 8, 32, 1), ("gpipe", 8, 16, 1),
+                                        ("interleaved", 4, 16, 2), ("interleaved", 8, 32, 2)])
+def test_closed_form_close_to_simulation_with_messages(name, p, M, v):
+    f, b = 1.0, 2.0
+    tc = 0.05 * (f + b)
+    args = (name, p, M, v, (f / v,) * p * v, (b / v,) * p * v, tc)
+    exact, quick = timing._makespan(*args, False)[0], timing._makespan(*args, True)[0]
+    assert quick == pytest.approx(exact, rel=0.05)
+
+
+def test_extrapolation_equals_full_simulation():
+    p, M = 4, 300  # 2400 compute actions: beyond SIM_LIMIT
+    fwd, bwd = (1.0, 1.1, 1.0, 1.3), (2.0, 2.2, 2.0, 2.6)
+    span, _, _, how = timing._makespan("1f1b", p, M, 1, fwd, bwd, 0.1, False)
+    assert how == "extrapolate"
+    from hybridpar.pipeline.simulate import simulate
+    full = simulate(build("1f1b", p, M), p, 1, duration=lambda r, a: (fwd if a.op.value == "F" else bwd)[r],
+                    comm_time=lambda r, a: 0.1)
+    assert span == pytest.approx(full.makespan, rel=1e-9)
+
+
+@pytest.mark.parametrize("name,p,M,v", [("1f1b", 4, 8, 1), ("gpipe", 3, 5, 1), ("interleaved", 4, 8, 2),
+                                        ("interleaved", 2, 6, 3)])
+def test_in_flight_formula_matches_schedule(name, p, M, v):
+    sched = build(name, p, M, v)
+    for s in range(p):
+        assert in_flight_formula(Plan(1, 1, p, M, 1, name, v), s) == in_flight(sched[s])
+
+
+def test_zero1_shards_optimizer_over_dp():
+    plan = Plan(dp=4, tp=1, pp=1, microbatches=1, mb_size=1)
+    full, sharded = memory(SMALL, plan, CPU), memory(SMALL, replace(plan, zero1=True), CPU)
+    assert sharded["optimizer"] == pytest.approx(full["optimizer"] / 4, rel=0.01)
+    assert sharded["params"] == full["params"] and sharded["grads"] == full["grads"]
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_activation_bytes_match_the_runtime_meter(recompute):
+    from hybridpar.memory import ActivationMeter
+    from hybridpar.model import Transformer
+    from hybridpar.parallelize import apply_recompute
+
+    torch.manual_seed(0)
+    model = Transformer(SMALL)
+    apply_recompute(model, recompute)
+    meter = ActivationMeter(model.parameters())
+    x = torch.randn(4, SMALL.seq_len, SMALL.d_model, requires_grad=True)
+    with meter.forward((0, 0)):
+        model.layers["0"](x, model.rope_cos, model.rope_sin)
+    rope = 2 * model.rope_cos.numel() * 4  # the cos/sin tables, once per chunk
+    want = activations(SMALL, Plan(1, 1, 1, 1, 4, recompute=recompute), 4, embed=False, head=False, layers=1)
+    assert meter.peak - rope == pytest.approx(want, rel=0.01)
+
+
+def test_invalid_layouts_are_rejected():
+    c = replace(CPU, devices_per_node=8)
+    assert "must divide n_kv_heads" in check(SMALL, Plan(2, 4, 1, 1, 1), c)
+    assert "exceeds n_layers" in check(SMALL, Plan(1, 1, 8, 8, 1, "interleaved", 2), c)
+    assert "inside a node" in check(SMALL, Plan(2, 4, 1, 1, 1), replace(c, nodes=4, devices_per_node=2))
+    assert all(p.tp <= 2 and 32 % (p.dp * p.microbatches) == 0 for p in candidates(SMALL, c, 32))
+
+
+def test_gpt3_175b_on_1024_a100s_matches_the_literature():
+    """Narayanan et al. 2021 (Megatron-LM, SC21) ran GPT-3 175B on 1024 A100-80GB as tp=8
+    (inside the node), pp=8, dp=16, batch 1536, full recomputation: 140 TFLOP/s per GPU, in
+    their count of FLOPs 96 B s l h^2 (1 + s/6h + V/16lh), which includes the recomputed
+    forward."""
+    m, c = MODELS["gpt3-175b"], load_cluster("a100-80g", nodes=128, devices_per_node=8)
+    rows, _ = rank(m, c, 1536, top=5)
+    best = rows[0]
+    assert best.fits and best.plan.tp in (4, 8) and best.plan.pp in (8, 16) and best.plan.dp > 1
+    assert any((r.plan.tp, r.plan.pp, r.plan.dp) == (8, 8, 16) for r in rows[:3])
+    pure_dp = Plan(dp=1024, tp=1, pp=1, microbatches=1, mb_size=1, recompute="full", zero1=True)
+    assert peak_memory(m, pure_dp, c)["total"] > c.device_mem  # 175e9 * 8 B of params + grads
+    published = best_for(m, c, Plan(16, 8, 8, 96, 1, "1f1b", recompute="full"))
+    B, s, L, h, V = 1536, 2048, 96, 12288, 51200
+    flops = 96 * B * s * L * h ** 2 * (1 + s / (6 * h) + V / (16 * L * h))
+    per_gpu = flops / published.pred.step_time / 1024
+    assert published.fits
+    assert per_gpu == pytest.approx(140e12, rel=0.10)
+    assert 0.3 < best.mfu < 0.6
+
+
+def test_profile_round_trip(tmp_path):
+    path = str(tmp_path / "p.json")
+    c = replace(CPU, collectives={"all-reduce": {2: [1e-4, 1e-9]}}, matmul={1: [(1e6, 1e10)], 2: [(1e6, 2e10)]})
+    save_profile(c, path)
+    assert load_profile(path) == c
+    assert collective_time(c, "all-reduce", 2, 1e6) == pytest.approx(1e-4 + 1e-3)
+    assert collective_time(c, "reduce-scatter", 2, 1e6) == pytest.approx(1e-4 + 1e-3)  # Gloo: all-reduce
+
+
+def test_cli_plan_prints_a_table(capsys):
+    rc = main(["plan", "--model", "gpt3-175b", "--cluster", "a100-80g", "--nodes", "128",
+               "--devices-per-node", "8", "--global-batch", "1536", "--top", "3", "--print-command"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "MFU" in out and "fits" in out
+    assert "hybridpar train --dp" in out and "--model.n_layers=96" in out
+
+
+def test_cli_plan_impossible_request_is_one_line(capsys):
+    rc = main(["plan", "--devices-per-node", "7"])  # dp=7 divides no batch of 32, pp=7 > 6 layers
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.startswith("hybridpar: error: no valid layout") and "\n" not in err
+    assert main(["plan", "--cluster", "nowhere"]) == 2
+
+
+def test_apply_refuses_a_multi_node_plan(capsys):
+    rc = main(["plan", "--model", "llama-7b", "--cluster", "h100-80g", "--nodes", "2",
+               "--global-batch", "64", "--top", "2", "--apply"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and "torchrun --nnodes 2" in out and "every node" in err
+
+
+def test_alpha_beta_fit_recovers_a_line():
+    from hybridpar.planner.calibrate import _fit
+
+    alpha, beta = _fit([(b, 2e-4 + b * 1e-9) for b in (4e3, 6.4e4, 5e5, 2e6, 8e6)])
+    assert alpha == pytest.approx(2e-4, rel=1e-6) and beta == pytest.approx(1e-9, rel=1e-6)
