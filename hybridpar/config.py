@@ -63,7 +63,9 @@ class ParallelConfig:
     grad_reduce_dtype: str = _f("fp32", "dtype of the dp gradient reduction", choices=("fp32", "bf16"))
     order: str = _f("tp-dp-pp", "rank order, innermost axis first (tp innermost = closest ranks)")
     pp_split: str = _f("", "layers per stage, e.g. '2,2,1,1'; empty = balanced")
-    bucket_mb: float = _f(25.0, "data-parallel gradient bucket size in MiB")
+    bucket_mb: float = _f(0.0, "data-parallel gradient bucket size in MiB; 0 = auto: an eighth of the "
+                               "stage's gradients, between 1 and 25 MiB, so the first all-reduces "
+                               "start while backward still runs even for a small model")
 
     @property
     def world_size(self) -> int:
@@ -252,6 +254,16 @@ def pp_split(n_layers: int, pp: int, spec: str = "") -> list[int]:
     return [base + (1 if s < extra else 0) for s in range(pp)]
 
 
+def bucket_bytes(grad_bytes: int, bucket_mb: float) -> int:
+    """Gradient bucket size for a stage holding ``grad_bytes`` of gradients: ``bucket_mb`` MiB,
+    or (0, auto) an eighth of them clamped to [1, 25] MiB. One 25 MiB bucket for a 20 MiB stage
+    would start its all-reduce only after the last backward, exposing all of it (measured: 2-5%
+    of a dp=2 step here); eight buckets overlap all but the last with backward."""
+    if bucket_mb > 0:
+        return int(bucket_mb * 2**20)
+    return int(min(25 * 2**20, max(2**20, -(-grad_bytes // 8))))
+
+
 def validate(cfg: Config, world_size: int | None = None) -> None:
     """Raise ConfigError naming the first problem; call before creating any process group."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
@@ -328,8 +340,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(f"train.lr={t.lr} must be positive")
     if not 0 < cfg.data.val_fraction < 1:
         raise ConfigError(f"data.val_fraction={cfg.data.val_fraction} must be between 0 and 1")
-    if p.bucket_mb <= 0:
-        raise ConfigError(f"parallel.bucket_mb={p.bucket_mb} must be positive")
+    if p.bucket_mb < 0:
+        raise ConfigError(f"parallel.bucket_mb={p.bucket_mb} must be positive (or 0 for auto)")
     c = cfg.checkpoint
     for name in ("every", "keep"):
         if getattr(c, name) < 0:

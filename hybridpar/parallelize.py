@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .config import Config, ModelConfig, pp_split
+from .config import Config, ModelConfig, bucket_bytes, pp_split
 from .data_parallel import GradSync
 from .memory import record_saved
 from .mesh import ParallelMesh
@@ -213,7 +213,8 @@ def parallelize(cfg: Config, mesh: ParallelMesh, *, init_state=None) -> Parallel
             specs[name] = spec
     params = [q for _, q in model.named_parameters()]
     sync = GradSync.build(params, group=mesh.group("dp"), n_accum=p.microbatches,
-                          bucket_bytes=int(p.bucket_mb * 2**20), zero1=p.zero1,
+                          bucket_bytes=bucket_bytes(sum(q.numel() * q.element_size() for q in params),
+                                                       p.bucket_mb), zero1=p.zero1,
                           reduce_dtype=torch.bfloat16 if p.grad_reduce_dtype == "bf16" else None)
     amp = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.train.precision]
     last = len(chunk_ids) - 1

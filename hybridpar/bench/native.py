@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import data as data_mod
-from ..config import Config, pp_split
+from ..config import Config, bucket_bytes, pp_split
 from ..mesh import Layout
 from ..model import Transformer
 from ..parallelize import init_full
@@ -56,6 +56,13 @@ def build_model(cfg: Config, pp_rank: int, pp: int) -> Transformer:
     if pp_rank != pp - 1:
         model.norm, model.lm_head = None, None
     return model
+
+
+def _grad_bytes(model: nn.Module) -> int:
+    """This rank's gradient bytes (DTensor parameters: the local shard), for the same bucket
+    size rule as hybridpar's (``config.bucket_bytes``)."""
+    return sum((p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size()
+               for p in model.parameters())
 
 
 def apply_native_tp(model: Transformer, tp_mesh, *, region_inputs: bool = True) -> None:
@@ -239,7 +246,7 @@ def build_native(cfg: Config, layout: Layout, rank: int, device: torch.device) -
         with warnings.catch_warnings():  # broadcast_buffers=False is still the way to skip init sync
             warnings.simplefilter("ignore", FutureWarning)
             model = DDP(model, broadcast_buffers=False, gradient_as_bucket_view=True,
-                        bucket_cap_mb=p.bucket_mb, **kw)
+                        bucket_cap_mb=bucket_bytes(_grad_bytes(model), p.bucket_mb) / 2**20, **kw)
     schedule = None
     if layout.pp > 1:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe

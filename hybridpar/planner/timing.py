@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ..config import ModelConfig
+from ..config import ModelConfig, bucket_bytes
 from ..pipeline.schedules import Op, build
 from ..pipeline.simulate import simulate
 from .cluster import Cluster
@@ -116,7 +116,7 @@ def _post_schedule(m: ModelConfig, plan: Plan, c: Cluster, stage: int, last_bwd:
         gather = collective_time(c, "all-gather", plan.dp, grads, inter=inter)
     else:
         sync, gather = collective_time(c, "all-reduce", plan.dp, grads, inter=inter), 0.0
-    buckets = max(1, -(-grads // (25 * 2 ** 20)))
+    buckets = max(1, -(-grads // bucket_bytes(int(grads), 0)))
     exposed = sync - min(last_bwd, sync * (buckets - 1) / buckets)
     shard = plan.dp if plan.zero1 else 1
     threads = c.threads_per_rank(min(c.devices_per_node, plan.world))
