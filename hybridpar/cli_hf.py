@@ -72,6 +72,7 @@ def generate(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
         prog="hybridpar generate",
         description="Continue a prompt with a model (byte-level tokens, one process, CPU). SRC is "
+                    "a training checkpoint (a step_NNNNNN folder or a checkpoint.dir: its latest) or "
                     "anything --model.init_from accepts (an import-hf folder, a Hugging Face folder, "
                     "or a weights file with --config).")
     p.add_argument("src")
@@ -82,11 +83,19 @@ def generate(argv: list[str]) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--config", help="TOML whose [model] table describes SRC (bare files only)")
     args, rest = p.parse_known_args(argv)
+    import tempfile
+
+    from .checkpoint import export as export_checkpoint, store
     from .generate import complete
 
-    text = complete(args.src, args.prompt, base=_base_model(args.config, rest),
-                    max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                    top_k=args.top_k, seed=args.seed)
+    with tempfile.TemporaryDirectory(prefix="hybridpar-generate-") as tmp:
+        src = args.src
+        if store.looks_like_checkpoint(src):  # consolidate the shards of any layout first
+            export_checkpoint(src, tmp)
+            src = tmp
+        text = complete(src, args.prompt, base=_base_model(args.config, rest),
+                        max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                        top_k=args.top_k, seed=args.seed)
     print(args.prompt + text)
     return 0
 

@@ -321,3 +321,16 @@ def test_export_is_plain_safetensors_and_config(saved2, tmp_path):
     assert cfg["hidden_size"] == 32 and cfg["num_hidden_layers"] == 2
     model = {k[len("model/"):]: v for k, v in want.items() if k.startswith("model/")}
     _assert_bitwise(got, {hf_name(k): v for k, v in model.items()}, "exported weights")
+
+
+def test_generate_reads_a_training_checkpoint(saved2, tmp_path, capsys):
+    from hybridpar.cli import main
+    from hybridpar.generate import complete
+
+    _, root, _ = saved2
+    assert main(["export", str(root), "--out", str(tmp_path / "hf")]) == 0
+    want = complete(str(tmp_path / "hf"), "def f(", max_new_tokens=7, temperature=0.0)
+    capsys.readouterr()
+    assert main(["generate", str(root), "--prompt", "def f(", "--max-new-tokens", "7",
+                 "--temperature", "0"]) == 0
+    assert capsys.readouterr().out == "def f(" + want + "\n"
