@@ -63,15 +63,13 @@ def check_inputs(cfg: Config):
     from .errors import FAULT_ENV, parse_faults
 
     t = cfg.train
-    for name, path in (("train.metrics", t.metrics), ("train.trace", getattr(t, "trace", ""))):
+    for name, path in (("train.metrics", t.metrics), ("train.trace", t.trace)):
         folder = os.path.dirname(os.path.abspath(path)) if path else ""
         if path and not os.path.isdir(folder):
             raise ConfigError(f"{name}={path!r}: folder {folder!r} does not exist; create it or "
                               f"choose another path")
-    if t.device == "cuda":
-        import torch
-        if not torch.cuda.is_available():
-            raise ConfigError("train.device=cuda but no CUDA device is available; use --train.device=cpu")
+    from .launch import check_device
+    check_device(cfg)
     try:
         parse_faults(os.environ.get(FAULT_ENV, ""))
     except ValueError as e:

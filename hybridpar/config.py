@@ -359,16 +359,12 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if m.init_from:  # reads only config files, so a mismatch fails before any process starts
         from .hf import check_matches
         check_matches(m, m.init_from)
-    if t.tensorboard:
-        import importlib.util
-        if importlib.util.find_spec("tensorboard") is None:
-            raise ConfigError(f"train.tensorboard={t.tensorboard!r} needs the tensorboard package: "
-                              f"pip install 'hybridpar[tensorboard]'")
-    if t.trace:
-        import importlib.util
-        if importlib.util.find_spec("matplotlib") is None:
-            raise ConfigError(f"train.trace={t.trace!r} draws a PNG timeline with matplotlib: "
-                              f"pip install 'hybridpar[plot]'")
+    import importlib.util
+    for name, value, package, use, extra in (
+            ("tensorboard", t.tensorboard, "tensorboard", "needs the tensorboard package", "tensorboard"),
+            ("trace", t.trace, "matplotlib", "draws a PNG timeline with matplotlib", "plot")):
+        if value and importlib.util.find_spec(package) is None:
+            raise ConfigError(f"train.{name}={value!r} {use}: pip install 'hybridpar[{extra}]'")
     if world_size is not None and world_size != p.world_size:
         raise ConfigError(
             f"the launcher started {world_size} processes but dp*tp*pp = {p.dp}*{p.tp}*{p.pp} = "

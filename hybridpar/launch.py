@@ -29,12 +29,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def check_device(cfg: Config) -> None:
+    if cfg.train.device == "cuda" and not torch.cuda.is_available():
+        from .config import ConfigError
+        raise ConfigError("train.device=cuda but no CUDA device is available; use --train.device=cpu")
+
+
 def pick_device(cfg: Config, local_rank: int) -> torch.device:
     want = cfg.train.device
+    check_device(cfg)
     if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            from .config import ConfigError
-            raise ConfigError("train.device=cuda but no CUDA device is available; use --train.device=cpu")
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
