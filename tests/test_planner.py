@@ -160,6 +160,24 @@ def test_profile_round_trip(tmp_path):
     assert collective_time(c, "reduce-scatter", 2, 1e6) == pytest.approx(1e-4 + 1e-3)  # Gloo: all-reduce
 
 
+def test_shared_collectives_apply_when_the_world_is_larger_than_the_group(tmp_path):
+    """A pair's all-reduce costs what was measured for pairs among k ranks sharing the cores
+    (nearest k to the layout's world), and the lone-pair fit when the pair is the world."""
+    c = replace(CPU, collectives={"all-reduce": {2: [1e-4, 1e-9], 4: [3e-4, 2e-9]}},
+                collectives_shared={"all-reduce": {4: {2: [5e-4, 1e-9]}, 8: {2: [2e-3, 3e-9], 4: [4e-3, 4e-9]}}})
+    path = str(tmp_path / "p.json")
+    save_profile(c, path)
+    assert load_profile(path) == c
+    assert collective_time(c, "all-reduce", 2, 1e6, world=2) == pytest.approx(1e-4 + 1e-3)
+    assert collective_time(c, "all-reduce", 2, 1e6, world=4) == pytest.approx(5e-4 + 1e-3)
+    assert collective_time(c, "all-reduce", 2, 1e6, world=8) == pytest.approx(2e-3 + 3e-3)
+    assert collective_time(c, "all-reduce", 4, 1e6, world=8) == pytest.approx(4e-3 + 4e-3)
+    assert collective_time(c, "all-reduce", 4, 1e6, world=4) == pytest.approx(3e-4 + 2e-3)
+    assert collective_time(c, "all-reduce", 2, 1e6, world=16) == pytest.approx(2e-3 + 3e-3)  # nearest k
+    gpu = replace(c, cores=0)  # one device per rank: nothing is shared
+    assert collective_time(gpu, "all-reduce", 2, 1e6, world=8) == pytest.approx(1e-4 + 1e-3)
+
+
 def test_cli_plan_prints_a_table(capsys):
     rc = main(["plan", "--model", "gpt3-175b", "--cluster", "a100-80g", "--nodes", "128",
                "--devices-per-node", "8", "--global-batch", "1536", "--top", "3", "--print-command"])

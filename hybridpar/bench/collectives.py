@@ -54,13 +54,14 @@ def _ring(x, group, batched: bool):
     import torch.distributed as dist
 
     n, r = dist.get_world_size(group), dist.get_rank(group)
+    nxt, prev = (dist.get_global_rank(group, (r + k) % n) for k in (1, -1))  # peers are global ranks
     buf = torch.empty_like(x)
     if batched:
-        ops = [dist.P2POp(dist.isend, x, (r + 1) % n, group), dist.P2POp(dist.irecv, buf, (r - 1) % n, group)]
+        ops = [dist.P2POp(dist.isend, x, nxt, group), dist.P2POp(dist.irecv, buf, prev, group)]
         for w in dist.batch_isend_irecv(ops):
             w.wait()
     else:
-        works = [dist.isend(x, (r + 1) % n, group), dist.irecv(buf, (r - 1) % n, group)]
+        works = [dist.isend(x, nxt, group), dist.irecv(buf, prev, group)]
         for w in works:
             w.wait()
     return buf

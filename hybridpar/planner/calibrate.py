@@ -5,9 +5,10 @@
   memory      the elementwise bandwidth that, with the matmul table, reproduces the measured
               forward+backward time of a real block of the default model
   collectives Gloo all-reduce, all-gather and send/recv (the runtime's own wrappers, via
-              ``bench.collectives``) on 2/4/8 ranks, each call between two matmuls as in
-              training (its cost: the loop's time minus the matmuls'): alpha + beta * bytes
-              fitted to 5 sizes
+              ``bench.collectives``) in groups of 2/4/8 ranks, alone and as k/n concurrent
+              groups of a world of k (a dp x tp layout's tp groups), each call between two
+              matmuls as in training (its cost: the loop's time minus the matmuls'):
+              alpha + beta * bytes fitted to 5 sizes
   oversubscription  the slow-down of k concurrent 1-thread processes doing a block's work
   overhead    the framework's fixed cost: a tiny block's forward+backward (per layer, pure
               dispatch), a tiny model's training step at 1 and 8 micro-batches (per F/B action
@@ -28,10 +29,11 @@ from dataclasses import replace
 from .cluster import Cluster, Link, save_profile
 
 
-def _timeit(fn, min_s: float = 0.03, reps: int = 3) -> float:
-    """Best over ``reps`` of the mean seconds per call over >= ``min_s``."""
+def _timeit(fn, min_s: float = 0.03, reps: int = 5) -> float:
+    """Median over ``reps`` of the mean seconds per call over >= ``min_s``: the typical time,
+    as a training step's median is (a best-of would predict the luckiest step)."""
     fn()
-    best = float("inf")
+    times = []
     for _ in range(reps):
         n, t0 = 0, time.perf_counter()
         while True:
@@ -40,8 +42,8 @@ def _timeit(fn, min_s: float = 0.03, reps: int = 3) -> float:
             dt = time.perf_counter() - t0
             if dt >= min_s:
                 break
-        best = min(best, dt / n)
-    return best
+        times.append(dt / n)
+    return statistics.median(times)
 
 
 def matmul_table(threads: int) -> list[tuple[float, float]]:
@@ -190,7 +192,10 @@ def _fit(points: list[tuple[float, float]]) -> list[float]:
     return [max(float(alpha), 0.0), max(float(beta), 0.0)]
 
 
-def _collectives_worker(sizes: list[int], iters: int) -> dict | None:
+def _collectives_worker(sizes: list[int], iters: int, n: int) -> dict | None:
+    """Fits of each op in groups of ``n`` consecutive ranks (as tp groups are), every group of
+    the world measuring at once: with more ranks than cores, a peer that is not running when a
+    collective starts must first be scheduled, which a group alone on the machine never pays."""
     import torch
     import torch.distributed as dist
 
@@ -200,24 +205,27 @@ def _collectives_worker(sizes: list[int], iters: int) -> dict | None:
     dist.init_process_group("gloo")
     a, w = torch.randn(1024, 256), torch.randn(256, 768)  # ~5 ms: a tp layer's matmul
     try:
-        n, out = dist.get_world_size(), {}
+        k, rank = dist.get_world_size(), dist.get_rank()
+        groups = [dist.new_group(list(range(i, i + n))) for i in range(0, k, n)]
+        group, out = groups[rank // n], {}
         for name, (_, numel, ours, _raw) in cases(n).items():
             if name == "reduce-scatter":  # Gloo has none: the runtime all-reduces (costed so)
                 continue
             pts = []
             for size in sizes:
                 x = torch.randn(numel(size // 4))
-                _time(ours, x, dist.group.WORLD, 2)
+                _time(ours, x, group, 2)
                 # in situ: between two matmuls, as in training, where the ranks drift apart
                 # and the transfer competes with compute for the cores; the collective's cost
                 # is the loop's time minus the compute's
-                t = min(_time(lambda v, g: (a @ w, ours(v, g)), x, dist.group.WORLD, iters)
-                        - _time(lambda v, g: a @ w, x, dist.group.WORLD, iters) for _ in range(3))
+                dist.barrier()
+                t = statistics.median(_time(lambda v, g: (a @ w, ours(v, g)), x, group, iters)
+                                      - _time(lambda v, g: a @ w, x, group, iters) for _ in range(5))
                 slowest = torch.tensor([max(t, 1e-6)], dtype=torch.float64)
                 dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
                 pts.append((size, slowest.item()))
             out[name] = _fit(pts)
-        return out if dist.get_rank() == 0 else None
+        return out if rank == 0 else None
     finally:
         dist.destroy_process_group()
 
@@ -242,18 +250,20 @@ def calibrate(ranks: tuple[int, ...] = (2, 4, 8), *, log=print) -> Cluster:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     sizes = [4 << 10, 64 << 10, 512 << 10, 2 << 20, 8 << 20]
     coll: dict = {}
-    for n in ranks:
-        for op, ab in spawn(_collectives_worker, n, sizes, 5)[0].items():
-            coll.setdefault(op, {})[n] = ab
-        log(f"collectives on {n} ranks: " + ", ".join(
-            f"{op} {coll[op][n][0] * 1e6:.0f} us + {1e-9 / max(coll[op][n][1], 1e-30):.2f} GB/s"
-            for op in coll))
+    shared: dict = {}
+    for k in ranks:
+        for n in (n for n in ranks if n <= k and k % n == 0):
+            fits = spawn(_collectives_worker, k, sizes, 8, n)[0]
+            for op, ab in fits.items():
+                (coll.setdefault(op, {}) if n == k else shared.setdefault(op, {}).setdefault(k, {}))[n] = ab
+            log(f"collectives in groups of {n} of {k} ranks: " + ", ".join(
+                f"{op} {ab[0] * 1e6:.0f} us + {1e-9 / max(ab[1], 1e-30):.2f} GB/s" for op, ab in fits.items()))
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     p2p = coll["send/recv"][min(coll["send/recv"])]
     link = Link(p2p[0], 1.0 / max(p2p[1], 1e-30))
     return Cluster(name="calibrated cpu", nodes=1, devices_per_node=cores, mem_bytes=float(ram),
                    peak_flops=max(r for _, r in matmul[1]), matmul=matmul, mem_bw=mem_bw,
-                   intra=link, inter=link, collectives=coll, overhead=ovh, cores=cores,
+                   intra=link, inter=link, collectives=coll, collectives_shared=shared, overhead=ovh, cores=cores,
                    oversubscription=over,
                    backend="gloo", dtype_bytes=4)
 

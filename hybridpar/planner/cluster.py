@@ -48,7 +48,11 @@ class Cluster:
     intra: Link = Link(10e-6, 230e9)
     inter: Link = Link(20e-6, 23e9)
     collectives: dict = field(default_factory=dict)
-    """Calibrated: {op: {n: [alpha_s, s_per_byte]}}, time = alpha + bytes * beta (full tensor)."""
+    """Calibrated: {op: {n: [alpha_s, s_per_byte]}}, time = alpha + bytes * beta (full tensor),
+    measured with the group alone on the machine."""
+    collectives_shared: dict = field(default_factory=dict)
+    """Calibrated on a CPU: {op: {k: {n: [alpha_s, s_per_byte]}}}, measured in k/n concurrent
+    groups of n when k ranks share the cores (a tp group of a dp x tp layout)."""
     overhead: dict = field(default_factory=lambda: {"action": 20e-6, "layer": 0.0, "comm": 0.0,
                                                     "step": 5e-3, "param": 0.0})
     cores: int = 0
@@ -170,5 +174,7 @@ def load_profile(path: str) -> Cluster:
     d["matmul"] = {int(t): [tuple(x) for x in rows] for t, rows in d["matmul"].items()}
     d["mem_bw"] = {int(t): v for t, v in d["mem_bw"].items()}
     d["collectives"] = {op: {int(n): ab for n, ab in by_n.items()} for op, by_n in d["collectives"].items()}
+    d["collectives_shared"] = {op: {int(k): {int(n): ab for n, ab in by_n.items()} for k, by_n in by_k.items()}
+                               for op, by_k in d.get("collectives_shared", {}).items()}
     d["oversubscription"] = {int(k): v for k, v in d.get("oversubscription", {}).items()}
     return Cluster(**d)

@@ -109,18 +109,25 @@ def _steps(op: str, n: int) -> int:
     return {"all-reduce": 2 * (n - 1), "reduce-scatter": n - 1, "all-gather": n - 1, "send/recv": 1}[op]
 
 
-def collective_time(c: Cluster, op: str, n: int, nbytes: float, *, inter: bool = False) -> float:
+def collective_time(c: Cluster, op: str, n: int, nbytes: float, *, inter: bool = False,
+                    world: int = 0) -> float:
     """Seconds of one collective on ``nbytes`` (the full tensor) over n ranks.
 
     Calibrated profile: measured alpha + beta*bytes for that op and n (the nearest n, scaled
-    by the ring step and byte factors). Otherwise alpha-beta: ring = steps*alpha + ring_bytes/bw;
-    all-reduce takes the better of ring and (double binary) tree, 2log2(n)*alpha + 2*bytes/bw,
-    as NCCL does for small messages."""
+    by the ring step and byte factors); with ``world`` > n ranks sharing a CPU's cores, the fit
+    measured in concurrent groups of the nearest world size. Otherwise alpha-beta: ring =
+    steps*alpha + ring_bytes/bw; all-reduce takes the better of ring and (double binary) tree,
+    2log2(n)*alpha + 2*bytes/bw, as NCCL does for small messages."""
     if n <= 1 or nbytes <= 0:
         return 0.0
     if op == "reduce-scatter" and c.backend == "gloo":
         op = "all-reduce"  # what the runtime does on Gloo
     fit = c.collectives.get(op)
+    shared = c.collectives_shared.get(op, {})
+    if shared and world > n and c.cores:
+        k0 = min(shared, key=lambda k: abs(math.log(k / world)))
+        if k0 > n:  # else the group alone is the nearer measurement
+            fit = shared[k0]
     if fit and not inter:
         n0 = min(fit, key=lambda k: abs(math.log(k / n)))
         alpha, beta = fit[n0]

@@ -10,8 +10,13 @@ hidden behind the last backward (they are launched as they become ready), the op
 the per-step overhead. The step ends when the slowest stage is done (the runtime's step-end
 all-reduce of loss and norm synchronises every rank).
 
-On a CPU the ranks share the cores: compute is slowed by busy threads / cores, where the busy
-ranks are the world times the non-idle share of the pipeline found by a first simulation.
+On a CPU the ranks share the cores: compute is slowed by the calibrated slow-down of that many
+busy 1-thread processes, the busy ranks being the world times the non-idle share of the pipeline
+found by a first simulation. Tensor-parallel collectives count as busy: the ranks of a tp group
+(and their dp replicas) compute in lockstep between them, so when one computes all do, and only
+pipeline bubbles and p2p waits free a core for another rank. The collectives' own seconds are
+those calibrated in concurrent groups of the layout's world size (``collectives_shared``): a
+peer that is descheduled when a collective starts must be woken first.
 """
 from __future__ import annotations
 
@@ -58,7 +63,7 @@ def elementwise_bytes(m: ModelConfig, n: int, tp: int, sp: bool, a: int) -> floa
 def _chunk_costs(m: ModelConfig, plan: Plan, c: Cluster, *, layers: int, embed: bool, head: bool,
                  slow: float) -> tuple[float, float, float]:
     """(forward s, backward s, tp communication s of both) of one micro-batch on one chunk."""
-    t, a = plan.tp, c.dtype_bytes
+    t, a, w = plan.tp, c.dtype_bytes, plan.world
     n, d = plan.mb_size * m.seq_len, m.d_model
     h, g, e, f = m.n_heads // t, m.n_kv_heads // t, m.head_dim, m.d_ff // t
     threads = c.threads_per_rank(min(c.devices_per_node, plan.world))
@@ -78,9 +83,10 @@ def _chunk_costs(m: ModelConfig, plan: Plan, c: Cluster, *, layers: int, embed: 
     act = n * d * a
     if t > 1:
         if sp:  # all-gather in, reduce-scatter out, per region
-            tp1 = collective_time(c, "all-gather", t, act) + collective_time(c, "reduce-scatter", t, act)
+            tp1 = (collective_time(c, "all-gather", t, act, world=w)
+                   + collective_time(c, "reduce-scatter", t, act, world=w))
         else:
-            tp1 = collective_time(c, "all-reduce", t, act)
+            tp1 = collective_time(c, "all-reduce", t, act, world=w)
     else:
         tp1 = 0.0
     comm_f = comm_b = 2 * tp1 * layers
@@ -99,7 +105,8 @@ def _chunk_costs(m: ModelConfig, plan: Plan, c: Cluster, *, layers: int, embed: 
         fwd += (mm(hf) + ew) * slow
         bwd += 2 * (mm(hf) + ew) * slow
         if t > 1:  # vocab-parallel CE: 2 all-reduces of n values; backward: copy_to_tp's
-            ce = collective_time(c, "all-reduce", t, 4 * n) + collective_time(c, "all-reduce", t, 8 * n)
+            ce = (collective_time(c, "all-reduce", t, 4 * n, world=w)
+                  + collective_time(c, "all-reduce", t, 8 * n, world=w))
             fwd, bwd = fwd + ce, bwd + tp1 / 2
             comm_f, comm_b = comm_f + ce, comm_b + tp1 / 2
     return fwd + ovh["action"] * slow, bwd + ovh["action"] * slow, comm_f + comm_b
@@ -112,10 +119,11 @@ def _post_schedule(m: ModelConfig, plan: Plan, c: Cluster, stage: int, last_bwd:
     grads = 4.0 * n
     inter = spans_nodes(c, plan, "dp")
     if plan.zero1:
-        sync = collective_time(c, "reduce-scatter", plan.dp, grads, inter=inter)
-        gather = collective_time(c, "all-gather", plan.dp, grads, inter=inter)
+        sync = collective_time(c, "reduce-scatter", plan.dp, grads, inter=inter, world=plan.world)
+        gather = collective_time(c, "all-gather", plan.dp, grads, inter=inter, world=plan.world)
     else:
-        sync, gather = collective_time(c, "all-reduce", plan.dp, grads, inter=inter), 0.0
+        sync = collective_time(c, "all-reduce", plan.dp, grads, inter=inter, world=plan.world)
+        gather = 0.0
     buckets = max(1, -(-grads // bucket_bytes(int(grads), 0)))
     exposed = sync - min(last_bwd, sync * (buckets - 1) / buckets)
     shard = plan.dp if plan.zero1 else 1
@@ -171,7 +179,8 @@ def predict_time(m: ModelConfig, plan: Plan, c: Cluster, *, quick: bool = False)
     """Predicted step; ``quick`` uses the closed form instead of the simulator (for pruning)."""
     split, V, p = stage_layers(m, plan), plan.pp * plan.virtual_stages, plan.pp
     act = plan.mb_size * m.seq_len * m.d_model * c.dtype_bytes / (plan.tp if plan.sequence_parallel else 1)
-    tc = collective_time(c, "send/recv", 2, act, inter=spans_nodes(c, plan, "pp")) + c.overhead["comm"]
+    tc = (collective_time(c, "send/recv", 2, act, inter=spans_nodes(c, plan, "pp"), world=plan.world)
+          + c.overhead["comm"])
     if p == 1:
         tc = 0.0
     slow = c.contention(plan.world) if c.cores else 1.0
@@ -182,7 +191,7 @@ def predict_time(m: ModelConfig, plan: Plan, c: Cluster, *, quick: bool = False)
         fwd, bwd = [x[0] for x in costs], [x[1] for x in costs]
         makespan, ends, bubble, method = _makespan(plan.schedule, p, plan.microbatches,
                                                    plan.virtual_stages, tuple(fwd), tuple(bwd), tc, quick)
-        compute = sum(f + b - cm for f, b, cm in costs) * plan.microbatches
+        compute = sum(f + b for f, b, _ in costs) * plan.microbatches
         busy = compute / (p * makespan) if makespan else 1.0
         slow = c.contention(plan.world * busy) if c.cores else 1.0
     post = []
