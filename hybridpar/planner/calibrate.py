@@ -2,8 +2,8 @@
 
   matmul      achieved FLOP/s of the default model's matmul shapes (forward, input-gradient and
               weight-gradient products of each), at 1 .. cores threads (threads per rank)
-  memory      the elementwise bandwidth that, with the matmul table, reproduces the measured
-              forward+backward time of a real block of the default model
+  memory      the elementwise bandwidth that, with the matmul table and the overheads,
+              reproduces the measured step of the default model trained in one process
   collectives Gloo all-reduce, all-gather and send/recv (the runtime's own wrappers, via
               ``bench.collectives``) in groups of 2/4/8 ranks, alone and as k/n concurrent
               groups of a world of k (a dp x tp layout's tp groups), each call between two
@@ -15,8 +15,8 @@
               and per step), and AdamW + gradient norm + zeroing per parameter
 
 The ranks of a CPU share its cores; the profile records the core count and the planner slows
-compute by busy threads / cores (see ``Cluster.contention``), the collectives being measured
-with all their ranks running.
+compute by the measured oversubscription (see ``Cluster.contention``), the collectives being
+measured with all the world's ranks running.
 """
 from __future__ import annotations
 
@@ -65,30 +65,41 @@ def matmul_table(threads: int) -> list[tuple[float, float]]:
     return sorted(rows.items())
 
 
-def elementwise_bw(threads: int, table: list[tuple[float, float]], layer_overhead: float) -> float:
-    """The bandwidth that makes the cost model's elementwise bytes account for what a real block
-    of the default model spends outside its matmuls: fwd+bwd = 3 (matmuls + bytes/bw) + the
-    fixed per-layer overhead, measured at 256 .. 2048 tokens. (A plain add streams far faster
-    than norms, RoPE, SDPA and SiLU with their autograd bookkeeping do.)"""
+def elementwise_bw(threads: int, table: list[tuple[float, float]], overhead: dict) -> float:
+    """The elementwise bandwidth with which the cost model reproduces real training steps of the
+    default model in one process at ``threads`` threads (through the ``Trainer``: dispatch,
+    hooks, loss and optimizer as the runtime pays them), at 2 and 8 sequences per micro-batch.
+    The planner's compute is so anchored to what this machine does with a whole step, and the
+    matmul table carries it to other shapes. (A plain add streams far faster than norms, RoPE,
+    SDPA and SiLU with their autograd bookkeeping do; only the total matters.)"""
     import torch
 
-    from ..config import ModelConfig
-    from ..model import Block, rope_tables
-    from .costs import matmuls
-    from .timing import elementwise_bytes
+    from ..config import Config, ModelConfig, ParallelConfig, TrainConfig
+    from ..mesh import single_mesh
+    from ..testing import tiny_dataset
+    from ..train import Trainer
+    from .costs import Plan
+    from .timing import predict_time
 
     torch.set_num_threads(threads)
-    m = ModelConfig()
-    block, (cos, sin) = Block(m), rope_tables(m.seq_len, m.head_dim, m.rope_theta)
-    probe = Cluster(name="probe", matmul={threads: table})
-    rates = []
-    for rows in (2, 8, 16):
-        x = torch.randn(rows, m.seq_len, m.d_model, requires_grad=True)
-        t = _timeit(lambda: block(x, cos, sin).sum().backward(), min_s=0.2)
-        n = rows * m.seq_len
-        mm = sum(f / probe.flop_rate(f, threads) for _, _, f in matmuls(m, n, 1))
-        rest = max(t - layer_overhead - 3 * mm, 0.1 * t)
-        rates.append(3 * elementwise_bytes(m, n, 1, False, 4) / rest)
+    m, data, rates = ModelConfig(), tiny_dataset(), []
+    for mb in (2, 8):
+        cfg = Config(model=m, parallel=ParallelConfig(dp=1, microbatches=2),
+                     train=TrainConfig(global_batch=2 * mb, steps=100, eval_every=0, progress=False,
+                                       threads_per_rank=threads))
+        trainer = Trainer(cfg, single_mesh(), dataset=data)
+        measured = statistics.median([trainer.train_step()["step_time_s"] for _ in range(8)][2:])
+        plan = Plan(dp=1, tp=1, pp=1, mb_size=mb, microbatches=2, schedule="1f1b")
+
+        def predicted(bw: float) -> float:
+            probe = Cluster(name="probe", devices_per_node=1, cores=threads, matmul={threads: table},
+                            mem_bw={threads: bw}, overhead=overhead, backend="gloo", dtype_bytes=4)
+            return predict_time(m, plan, probe).step_time
+
+        # the step is t0 + bytes / bw: two predictions give both
+        at_1, at_2 = predicted(1e10), predicted(2e10)
+        nbytes, t0 = 2 * (at_1 - at_2) * 1e10, 2 * at_2 - at_1
+        rates.append(nbytes / max(measured - t0, 0.1 * measured))
     return statistics.median(rates)
 
 
@@ -96,7 +107,7 @@ def overheads() -> dict[str, float]:
     """Fixed seconds per layer (forward + backward), per F/B action and per step, fitted to
     t(L, M) = step + M (2 action + L layer) over training steps of a tiny model (so dispatch,
     the activation meter's and the gradient hooks are counted as the runtime pays them), and
-    AdamW + gradient norm + zeroing per parameter; ``bare_layer``: a tiny block alone."""
+    AdamW + gradient norm + zeroing per parameter."""
     import torch
 
     from ..config import Config, ModelConfig, ParallelConfig, TrainConfig
@@ -137,7 +148,7 @@ def overheads() -> dict[str, float]:
             p.grad.zero_()
     per_param = _timeit(update, min_s=0.2) / 2 ** 21
     return {"layer": layer, "action": max(0.0, (per_mb[1] - layer) / 2), "comm": 0.0,
-            "step": max(0.0, t[1, 1] - per_mb[1]), "param": per_param, "bare_layer": bare}
+            "step": max(0.0, t[1, 1] - per_mb[1]), "param": per_param}
 
 
 def _block_loop(seconds: float, start, out) -> None:
@@ -241,8 +252,7 @@ def calibrate(ranks: tuple[int, ...] = (2, 4, 8), *, log=print) -> Cluster:
         matmul[t] = [(f, max(r, r1)) for (f, r), (_, r1) in zip(matmul[t], matmul[1])]  # job's noise
     log(f"matmul: best {max(r for _, r in matmul[1]) / 1e9:.1f} GFLOP/s on 1 thread ({time.time() - t0:.0f} s)")
     ovh = overheads()
-    bare = ovh.pop("bare_layer")  # the block timed for the bandwidth runs without the runtime
-    mem_bw = {t: elementwise_bw(t, matmul[t], bare) for t in thread_counts}
+    mem_bw = {t: elementwise_bw(t, matmul[t], ovh) for t in thread_counts}
     log(f"elementwise: {', '.join(f'{v / 1e9:.1f} GB/s on {t} threads' for t, v in mem_bw.items())}")
     over = oversubscription(tuple(sorted({1, *ranks})))
     log("oversubscription: " + ", ".join(f"{k} ranks x{v:.2f}" for k, v in over.items()))
