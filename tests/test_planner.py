@@ -161,8 +161,8 @@ def test_profile_round_trip(tmp_path):
 
 
 def test_shared_collectives_apply_when_the_world_is_larger_than_the_group(tmp_path):
-    """A pair's all-reduce costs what was measured for pairs among k ranks sharing the cores
-    (nearest k to the layout's world), and the lone-pair fit when the pair is the world."""
+    """A pair's all-reduce costs what was measured for pairs among k ranks sharing the cores,
+    and the lone pair's fit when the pair is the world."""
     c = replace(CPU, collectives={"all-reduce": {2: [1e-4, 1e-9], 4: [3e-4, 2e-9]}},
                 collectives_shared={"all-reduce": {4: {2: [5e-4, 1e-9]}, 8: {2: [2e-3, 3e-9], 4: [4e-3, 4e-9]}}})
     path = str(tmp_path / "p.json")
@@ -173,7 +173,10 @@ def test_shared_collectives_apply_when_the_world_is_larger_than_the_group(tmp_pa
     assert collective_time(c, "all-reduce", 2, 1e6, world=8) == pytest.approx(2e-3 + 3e-3)
     assert collective_time(c, "all-reduce", 4, 1e6, world=8) == pytest.approx(4e-3 + 4e-3)
     assert collective_time(c, "all-reduce", 4, 1e6, world=4) == pytest.approx(3e-4 + 2e-3)
-    assert collective_time(c, "all-reduce", 2, 1e6, world=16) == pytest.approx(2e-3 + 3e-3)  # nearest k
+    assert collective_time(c, "all-reduce", 2, 1e6, world=16) == pytest.approx(2e-3 + 3e-3)  # the largest k
+    # between measured world sizes (a pipeline keeps only part of the world busy): linear in k
+    assert collective_time(c, "all-reduce", 2, 1e6, world=3) == pytest.approx(3e-4 + 1e-3)
+    assert collective_time(c, "all-reduce", 2, 1e6, world=6) == pytest.approx(1.25e-3 + 2e-3)
     gpu = replace(c, cores=0)  # one device per rank: nothing is shared
     assert collective_time(gpu, "all-reduce", 2, 1e6, world=8) == pytest.approx(1e-4 + 1e-3)
 

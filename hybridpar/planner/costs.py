@@ -109,30 +109,43 @@ def _steps(op: str, n: int) -> int:
     return {"all-reduce": 2 * (n - 1), "reduce-scatter": n - 1, "all-gather": n - 1, "send/recv": 1}[op]
 
 
+def _scaled_fit(fit: dict, op: str, n: int) -> tuple[float, float]:
+    """(alpha, beta) at group size n from fits by group size: the nearest n, scaled by the ring
+    step and byte factors."""
+    n0 = min(fit, key=lambda k: abs(math.log(k / n)))
+    alpha, beta = fit[n0]
+    return alpha * _steps(op, n) / _steps(op, n0), beta * ring_bytes(op, n, 1) / ring_bytes(op, n0, 1)
+
+
 def collective_time(c: Cluster, op: str, n: int, nbytes: float, *, inter: bool = False,
-                    world: int = 0) -> float:
+                    world: float = 0) -> float:
     """Seconds of one collective on ``nbytes`` (the full tensor) over n ranks.
 
     Calibrated profile: measured alpha + beta*bytes for that op and n (the nearest n, scaled
-    by the ring step and byte factors); with ``world`` > n ranks sharing a CPU's cores, the fit
-    measured in concurrent groups of the nearest world size. Otherwise alpha-beta: ring =
-    steps*alpha + ring_bytes/bw; all-reduce takes the better of ring and (double binary) tree,
-    2log2(n)*alpha + 2*bytes/bw, as NCCL does for small messages."""
+    by the ring step and byte factors). On a CPU, with ``world`` (busy) ranks sharing the cores,
+    alpha and beta are interpolated linearly in the world size between the group measured alone
+    (world = n) and the fits measured in concurrent groups (``collectives_shared``), clamped at
+    the largest. Otherwise alpha-beta: ring = steps*alpha + ring_bytes/bw; all-reduce takes the
+    better of ring and (double binary) tree, 2log2(n)*alpha + 2*bytes/bw, as NCCL does for small
+    messages."""
     if n <= 1 or nbytes <= 0:
         return 0.0
     if op == "reduce-scatter" and c.backend == "gloo":
         op = "all-reduce"  # what the runtime does on Gloo
     fit = c.collectives.get(op)
-    shared = c.collectives_shared.get(op, {})
-    if shared and world > n and c.cores:
-        k0 = min(shared, key=lambda k: abs(math.log(k / world)))
-        if k0 > n:  # else the group alone is the nearer measurement
-            fit = shared[k0]
     if fit and not inter:
-        n0 = min(fit, key=lambda k: abs(math.log(k / n)))
-        alpha, beta = fit[n0]
-        scale_a, scale_b = _steps(op, n) / _steps(op, n0), ring_bytes(op, n, 1) / ring_bytes(op, n0, 1)
-        return alpha * scale_a + beta * scale_b * nbytes
+        alpha, beta = _scaled_fit(fit, op, n)
+        shared = c.collectives_shared.get(op, {})
+        if shared and c.cores and world > n:
+            pts = [(float(n), alpha, beta)] + sorted((float(k), *_scaled_fit(f, op, n))
+                                                      for k, f in shared.items() if k > n)
+            w = min(world, pts[-1][0])
+            for (k0, a0, b0), (k1, a1, b1) in zip(pts, pts[1:]):
+                if w <= k1:
+                    x = (w - k0) / (k1 - k0)
+                    alpha, beta = a0 + (a1 - a0) * x, b0 + (b1 - b0) * x
+                    break
+        return alpha + beta * nbytes
     link = c.inter if inter else c.intra
     ring = _steps(op, n) * link.alpha + ring_bytes(op, n, nbytes) / link.bw
     if op == "all-reduce":

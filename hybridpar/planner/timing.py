@@ -14,9 +14,10 @@ On a CPU the ranks share the cores: compute is slowed by the calibrated slow-dow
 busy 1-thread processes, the busy ranks being the world times the non-idle share of the pipeline
 found by a first simulation. Tensor-parallel collectives count as busy: the ranks of a tp group
 (and their dp replicas) compute in lockstep between them, so when one computes all do, and only
-pipeline bubbles and p2p waits free a core for another rank. The collectives' own seconds are
-those calibrated in concurrent groups of the layout's world size (``collectives_shared``): a
-peer that is descheduled when a collective starts must be woken first.
+pipeline bubbles and p2p waits free a core for another rank. The tp collectives and p2p messages
+cost what was calibrated in concurrent groups of that many busy ranks (``collectives_shared``:
+a peer that is descheduled when a collective starts must be woken first); the dp sync after the
+schedule, which every rank joins, at the whole world.
 """
 from __future__ import annotations
 
@@ -61,9 +62,10 @@ def elementwise_bytes(m: ModelConfig, n: int, tp: int, sp: bool, a: int) -> floa
 
 
 def _chunk_costs(m: ModelConfig, plan: Plan, c: Cluster, *, layers: int, embed: bool, head: bool,
-                 slow: float) -> tuple[float, float, float]:
-    """(forward s, backward s, tp communication s of both) of one micro-batch on one chunk."""
-    t, a, w = plan.tp, c.dtype_bytes, plan.world
+                 slow: float, busy_ranks: float = 0.0) -> tuple[float, float, float]:
+    """(forward s, backward s, tp communication s of both) of one micro-batch on one chunk;
+    ``busy_ranks``: how many ranks share the CPU's cores meanwhile (0: the group alone)."""
+    t, a, w = plan.tp, c.dtype_bytes, busy_ranks
     n, d = plan.mb_size * m.seq_len, m.d_model
     h, g, e, f = m.n_heads // t, m.n_kv_heads // t, m.head_dim, m.d_ff // t
     threads = c.threads_per_rank(min(c.devices_per_node, plan.world))
@@ -179,21 +181,21 @@ def predict_time(m: ModelConfig, plan: Plan, c: Cluster, *, quick: bool = False)
     """Predicted step; ``quick`` uses the closed form instead of the simulator (for pruning)."""
     split, V, p = stage_layers(m, plan), plan.pp * plan.virtual_stages, plan.pp
     act = plan.mb_size * m.seq_len * m.d_model * c.dtype_bytes / (plan.tp if plan.sequence_parallel else 1)
-    tc = (collective_time(c, "send/recv", 2, act, inter=spans_nodes(c, plan, "pp"), world=plan.world)
-          + c.overhead["comm"])
-    if p == 1:
-        tc = 0.0
-    slow = c.contention(plan.world) if c.cores else 1.0
+    busy_ranks = float(plan.world)
+    slow = c.contention(busy_ranks) if c.cores else 1.0
     for _ in range(2 if c.cores else 1):  # CPU: re-estimate the busy ranks once
+        tc = (collective_time(c, "send/recv", 2, act, inter=spans_nodes(c, plan, "pp"), world=busy_ranks)
+              + c.overhead["comm"]) if p > 1 else 0.0
         kinds = {(split[v], v == 0, v == V - 1) for v in range(V)}  # most chunks are alike
-        cost = {k: _chunk_costs(m, plan, c, layers=k[0], embed=k[1], head=k[2], slow=slow) for k in kinds}
+        cost = {k: _chunk_costs(m, plan, c, layers=k[0], embed=k[1], head=k[2], slow=slow,
+                                busy_ranks=busy_ranks) for k in kinds}
         costs = [cost[split[v], v == 0, v == V - 1] for v in range(V)]
         fwd, bwd = [x[0] for x in costs], [x[1] for x in costs]
         makespan, ends, bubble, method = _makespan(plan.schedule, p, plan.microbatches,
                                                    plan.virtual_stages, tuple(fwd), tuple(bwd), tc, quick)
         compute = sum(f + b for f, b, _ in costs) * plan.microbatches
-        busy = compute / (p * makespan) if makespan else 1.0
-        slow = c.contention(plan.world * busy) if c.cores else 1.0
+        busy_ranks = plan.world * (compute / (p * makespan) if makespan else 1.0)
+        slow = c.contention(busy_ranks) if c.cores else 1.0
     post = []
     for s in range(p):
         last_bwd = bwd[s]  # chunk 0 of stage s ends the schedule there
