@@ -65,6 +65,20 @@ def matmul_table(threads: int) -> list[tuple[float, float]]:
     return sorted(rows.items())
 
 
+def _median_step(model, *, mb: int, microbatches: int, threads: int, data, steps: int, warmup: int) -> float:
+    """Median seconds of a training step after ``warmup`` of ``steps``, in one process, through
+    the ``Trainer`` (dispatch, hooks, loss and optimizer as the runtime pays them)."""
+    from ..config import Config, ParallelConfig, TrainConfig
+    from ..mesh import single_mesh
+    from ..train import Trainer
+
+    cfg = Config(model=model, parallel=ParallelConfig(dp=1, microbatches=microbatches),
+                 train=TrainConfig(global_batch=mb * microbatches, steps=100, eval_every=0,
+                                   progress=False, threads_per_rank=threads))
+    trainer = Trainer(cfg, single_mesh(), dataset=data)
+    return statistics.median([trainer.train_step()["step_time_s"] for _ in range(steps)][warmup:])
+
+
 def elementwise_bw(threads: int, table: list[tuple[float, float]], overhead: dict) -> float:
     """The elementwise bandwidth with which the cost model reproduces real training steps of the
     default model in one process at ``threads`` threads (through the ``Trainer``: dispatch,
@@ -74,21 +88,15 @@ def elementwise_bw(threads: int, table: list[tuple[float, float]], overhead: dic
     SDPA and SiLU with their autograd bookkeeping do; only the total matters.)"""
     import torch
 
-    from ..config import Config, ModelConfig, ParallelConfig, TrainConfig
-    from ..mesh import single_mesh
+    from ..config import ModelConfig
     from ..testing import tiny_dataset
-    from ..train import Trainer
     from .costs import Plan
     from .timing import predict_time
 
     torch.set_num_threads(threads)
     m, data, rates = ModelConfig(), tiny_dataset(), []
     for mb in (2, 8):
-        cfg = Config(model=m, parallel=ParallelConfig(dp=1, microbatches=2),
-                     train=TrainConfig(global_batch=2 * mb, steps=100, eval_every=0, progress=False,
-                                       threads_per_rank=threads))
-        trainer = Trainer(cfg, single_mesh(), dataset=data)
-        measured = statistics.median([trainer.train_step()["step_time_s"] for _ in range(8)][2:])
+        measured = _median_step(m, mb=mb, microbatches=2, threads=threads, data=data, steps=8, warmup=2)
         plan = Plan(dp=1, tp=1, pp=1, mb_size=mb, microbatches=2, schedule="1f1b")
 
         def predicted(bw: float) -> float:
@@ -110,11 +118,9 @@ def overheads() -> dict[str, float]:
     AdamW + gradient norm + zeroing per parameter."""
     import torch
 
-    from ..config import Config, ModelConfig, ParallelConfig, TrainConfig
-    from ..mesh import single_mesh
+    from ..config import ModelConfig
     from ..model import Block, rope_tables
     from ..testing import tiny_dataset
-    from ..train import Trainer
 
     torch.set_num_threads(1)
     tiny = ModelConfig(n_layers=1, d_model=16, n_heads=2, n_kv_heads=1, d_ff=32, seq_len=8)
@@ -123,15 +129,9 @@ def overheads() -> dict[str, float]:
     bare = _timeit(lambda: block(x, cos, sin).sum().backward(), min_s=0.2)
     data = tiny_dataset()
 
-    def step_time(L: int, M: int) -> float:
-        cfg = Config(model=replace(tiny, n_layers=L), parallel=ParallelConfig(dp=1, microbatches=M),
-                     train=TrainConfig(global_batch=M, steps=100, eval_every=0, progress=False,
-                                       threads_per_rank=1))
-        tr = Trainer(cfg, single_mesh(), dataset=data)
-        times = [tr.train_step()["step_time_s"] for _ in range(25)]
-        return statistics.median(times[5:])
-
-    t = {(L, M): step_time(L, M) for L in (1, 4) for M in (1, 8)}
+    t = {(L, M): _median_step(replace(tiny, n_layers=L), mb=1, microbatches=M, threads=1, data=data,
+                              steps=25, warmup=5)
+         for L in (1, 4) for M in (1, 8)}
     per_mb = {L: (t[L, 8] - t[L, 1]) / 7 for L in (1, 4)}
     layer = max(bare, (per_mb[4] - per_mb[1]) / 3)
     params = [torch.nn.Parameter(torch.randn(2 ** 20)) for _ in range(2)]
@@ -273,9 +273,8 @@ def calibrate(ranks: tuple[int, ...] = (2, 4, 8), *, log=print) -> Cluster:
     link = Link(p2p[0], 1.0 / max(p2p[1], 1e-30))
     return Cluster(name="calibrated cpu", nodes=1, devices_per_node=cores, mem_bytes=float(ram),
                    peak_flops=max(r for _, r in matmul[1]), matmul=matmul, mem_bw=mem_bw,
-                   intra=link, inter=link, collectives=coll, collectives_shared=shared, overhead=ovh, cores=cores,
-                   oversubscription=over,
-                   backend="gloo", dtype_bytes=4)
+                   intra=link, inter=link, collectives=coll, collectives_shared=shared, overhead=ovh,
+                   cores=cores, oversubscription=over, backend="gloo", dtype_bytes=4)
 
 
 def main(argv: list[str]) -> int:

@@ -84,9 +84,8 @@ def format_table(rows: list[Row], c: Cluster) -> str:
     lines = [head, "-" * len(head)]
     for i, r in enumerate(rows, 1):
         p, q, mem = r.plan, r.pred, r.mem
-        sched = p.schedule + (f" v{p.virtual_stages}" if p.virtual_stages > 1 else "")
         lines.append(
-            f"{i:2d} {p.dp:4d} {p.tp:2d} {p.pp:3d} {f'{p.mb_size}x{p.microbatches}':>9} {sched:>13} "
+            f"{i:2d} {p.dp:4d} {p.tp:2d} {p.pp:3d} {f'{p.mb_size}x{p.microbatches}':>9} {p.schedule_label:>13} "
             f"{p.recompute:>9} {'y' if p.zero1 else '-':>5} {'y' if p.sequence_parallel else '-':>3} "
             f"{q.step_time:8.3f} {r.tokens_per_s:9.0f} {r.mfu:5.1%} {q.bubble:6.1%} "
             f"{q.comm['tp']:7.3f} {q.comm['pp']:7.3f} {q.comm['dp']:7.3f} | "

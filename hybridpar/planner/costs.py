@@ -59,9 +59,13 @@ class Plan:
     def global_batch(self) -> int:
         return self.dp * self.microbatches * self.mb_size
 
+    @property
+    def schedule_label(self) -> str:
+        return self.schedule + (f" v{self.virtual_stages}" if self.virtual_stages > 1 else "")
+
     def label(self) -> str:
-        s = self.schedule + (f" v{self.virtual_stages}" if self.virtual_stages > 1 else "")
-        return f"dp={self.dp} tp={self.tp} pp={self.pp} mb={self.mb_size}x{self.microbatches} {s}"
+        return (f"dp={self.dp} tp={self.tp} pp={self.pp} mb={self.mb_size}x{self.microbatches} "
+                f"{self.schedule_label}")
 
 
 # ---- FLOPs ----------------------------------------------------------------------------------
@@ -244,8 +248,6 @@ def memory(m: ModelConfig, plan: Plan, c: Cluster, stage: int = 0) -> dict[str, 
     per_chunk = [activations(m, plan, c.dtype_bytes, embed=v == 0, head=v == V - 1, layers=split[v])
                  for v in vs]
     act = in_flight(plan, stage) * sum(per_chunk) / len(per_chunk)
-    if plan.virtual_stages == 1:
-        act = in_flight(plan, stage) * per_chunk[0]
     out = {"params": 4.0 * n, "grads": 4.0 * n, "optimizer": 8.0 * n / shard + 4.0 * math.ceil(tensors / shard),
            "activations": act}
     out["total"] = sum(out.values())

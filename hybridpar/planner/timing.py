@@ -61,6 +61,11 @@ def elementwise_bytes(m: ModelConfig, n: int, tp: int, sp: bool, a: int) -> floa
             + (4 * a * n * d if tp > 1 else 0))
 
 
+def _threads(c: Cluster, plan: Plan) -> int:
+    """Threads of each rank: the node's cores shared by the ranks it runs."""
+    return c.threads_per_rank(min(c.devices_per_node, plan.world))
+
+
 def _chunk_costs(m: ModelConfig, plan: Plan, c: Cluster, *, layers: int, embed: bool, head: bool,
                  slow: float, busy_ranks: float = 0.0) -> tuple[float, float, float]:
     """(forward s, backward s, tp communication s of both) of one micro-batch on one chunk;
@@ -68,7 +73,7 @@ def _chunk_costs(m: ModelConfig, plan: Plan, c: Cluster, *, layers: int, embed: 
     t, a, w = plan.tp, c.dtype_bytes, busy_ranks
     n, d = plan.mb_size * m.seq_len, m.d_model
     h, g, e, f = m.n_heads // t, m.n_kv_heads // t, m.head_dim, m.d_ff // t
-    threads = c.threads_per_rank(min(c.devices_per_node, plan.world))
+    threads = _threads(c, plan)
     bw = c.elementwise_bw(threads)
     sp = plan.sequence_parallel and t > 1
 
@@ -99,8 +104,8 @@ def _chunk_costs(m: ModelConfig, plan: Plan, c: Cluster, *, layers: int, embed: 
     elif plan.recompute == "selective":
         bwd += layers * mm(core) * slow
     if embed:
-        fwd += 3 * act / bw * slow + (tp1 / 2 if t > 1 else 0)
-        comm_f += tp1 / 2 if t > 1 else 0
+        fwd += 3 * act / bw * slow + tp1 / 2
+        comm_f += tp1 / 2
     if head:
         hf = head_flops(m, n, t)
         ew = (4 * n * d * 12 + 4 * n * m.vocab_size / t * 6) / bw
@@ -129,8 +134,7 @@ def _post_schedule(m: ModelConfig, plan: Plan, c: Cluster, stage: int, last_bwd:
     buckets = max(1, -(-grads // bucket_bytes(int(grads), 0)))
     exposed = sync - min(last_bwd, sync * (buckets - 1) / buckets)
     shard = plan.dp if plan.zero1 else 1
-    threads = c.threads_per_rank(min(c.devices_per_node, plan.world))
-    per_param = c.overhead.get("param") or OPT_BYTES / c.elementwise_bw(threads)
+    per_param = c.overhead.get("param") or OPT_BYTES / c.elementwise_bw(_threads(c, plan))
     opt = (n / shard + n) / 2 * per_param * slow  # the moments on the shard; norm/zero on all
     scalars = collective_time(c, "all-reduce", plan.world, 16, inter=c.world > c.devices_per_node)
     return exposed + gather + opt + scalars + c.overhead["step"], exposed + gather
@@ -182,7 +186,7 @@ def predict_time(m: ModelConfig, plan: Plan, c: Cluster, *, quick: bool = False)
     split, V, p = stage_layers(m, plan), plan.pp * plan.virtual_stages, plan.pp
     act = plan.mb_size * m.seq_len * m.d_model * c.dtype_bytes / (plan.tp if plan.sequence_parallel else 1)
     busy_ranks = float(plan.world)
-    slow = c.contention(busy_ranks) if c.cores else 1.0
+    slow = c.contention(busy_ranks)
     for _ in range(2 if c.cores else 1):  # CPU: re-estimate the busy ranks once
         tc = (collective_time(c, "send/recv", 2, act, inter=spans_nodes(c, plan, "pp"), world=busy_ranks)
               + c.overhead["comm"]) if p > 1 else 0.0
@@ -195,7 +199,7 @@ def predict_time(m: ModelConfig, plan: Plan, c: Cluster, *, quick: bool = False)
                                                    plan.virtual_stages, tuple(fwd), tuple(bwd), tc, quick)
         compute = sum(f + b for f, b, _ in costs) * plan.microbatches
         busy_ranks = plan.world * (compute / (p * makespan) if makespan else 1.0)
-        slow = c.contention(busy_ranks) if c.cores else 1.0
+        slow = c.contention(busy_ranks)
     post = []
     for s in range(p):
         last_bwd = bwd[s]  # chunk 0 of stage s ends the schedule there
