@@ -28,8 +28,10 @@ def tiny_config(*, dp=1, tp=1, pp=1, schedule="1f1b", microbatches=4, steps=5, o
         model=ModelConfig(**m),
         parallel=ParallelConfig(dp=dp, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule, order=order,
                                 bucket_mb=0.01),  # tiny buckets: several per rank, overlap exercised
-        train=TrainConfig(steps=steps, global_batch=32, lr=1e-2, warmup_steps=2, eval_every=0,
-                          progress=False, threads_per_rank=1, seed=1234, grad_clip=1.0),
+        # evaluation on, as users run it: mid-run (step 3) and at the last step
+        train=TrainConfig(steps=steps, global_batch=32, lr=1e-2, warmup_steps=2, eval_every=3,
+                          eval_batches=2, progress=False, threads_per_rank=1, seed=1234,
+                          grad_clip=1.0),
         data=DataConfig())
 
 
@@ -101,6 +103,7 @@ def run_case(cfg: Config, *, dataset: Dataset, bug: str | None = None) -> dict:
     with injected(bug):
         history = train(cfg, mesh, dataset=dataset, callbacks=Callbacks(after_backward=after_backward))
     return {"losses": [m["loss"] for m in history], "grad_norms": [m["grad_norm"] for m in history],
+            "val_losses": [m["val_loss"] for m in history if "val_loss" in m],
             "mem": history[-1]["mem"],
             "max_in_flight": history[-1]["max_in_flight"], "pp_rank": mesh.pp_rank,
             "grads": grads, "params": local_state(pm_ref["pm"])}
@@ -129,6 +132,7 @@ def load_case(out_dir: str, name: str) -> dict:
     files = sorted(Path(out_dir, name).glob("*.pt"), key=lambda f: int(f.stem))
     parts = [torch.load(f, weights_only=False) for f in files]
     return {"losses": parts[0]["losses"], "grad_norms": parts[0]["grad_norms"],
+            "val_losses": parts[0]["val_losses"],
             "max_in_flight": {r: p["max_in_flight"] for r, p in enumerate(parts)},
             "pp_rank": {r: p["pp_rank"] for r, p in enumerate(parts)},
             "mem": {r: p["mem"] for r, p in enumerate(parts)},
@@ -155,6 +159,8 @@ def max_rel_tensor_err(got: dict, ref: dict) -> tuple[float, str]:
     if got.keys() != ref.keys():
         raise AssertionError(f"parameter names differ: {sorted(got.keys() ^ ref.keys())}")
     for k, r in ref.items():
+        if got[k].isnan().any() and not r.isnan().any():
+            raise AssertionError(f"{k}: {int(got[k].isnan().sum())} elements held by no rank")
         e = ((got[k] - r).abs().max() / r.abs().max().clamp_min(1e-30)).item()
         if e > worst:
             worst, where = e, k

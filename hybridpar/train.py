@@ -26,6 +26,7 @@ from .mesh import ParallelMesh
 from .parallelize import ParallelModel, build_optimizer, parallelize
 from .pipeline.runtime import PipelineRunner
 from .pipeline.schedules import build as build_schedule, forward_only
+from .pipeline.simulate import check as check_schedule
 from . import watchdog
 from .watchdog import activity, find_straggler
 
@@ -87,8 +88,13 @@ class Trainer:
         self.opt = build_optimizer(self.pm, cfg)
         p = cfg.parallel
         P, v = mesh.layout.pp, p.virtual_stages
-        self.actions = build_schedule(p.schedule, P, p.microbatches, v)[mesh.pp_rank]
-        self.eval_actions = forward_only(P, p.microbatches, v)[mesh.pp_rank]
+        # every list a rank executes is first proven by the simulator (milliseconds): a list
+        # that would deadlock is a bug reported here, on every rank, never a hang mid-run
+        train_lists, eval_lists = (build_schedule(p.schedule, P, p.microbatches, v),
+                                   forward_only(P, p.microbatches, v))
+        check_schedule(train_lists, P, v, what=f"{p.schedule} training schedule")
+        check_schedule(eval_lists, P, v, backward=False, what="evaluation schedule")
+        self.actions, self.eval_actions = train_lists[mesh.pp_rank], eval_lists[mesh.pp_rank]
         rows = cfg.train.global_batch // (p.dp * p.microbatches)
         seq = cfg.model.seq_len // (p.tp if p.sequence_parallel else 1)
         dtype = next(self.pm.module.parameters()).dtype

@@ -2,9 +2,9 @@
 import pytest
 
 from hybridpar.pipeline.schedules import (
-    Action, Op, build, gpipe, in_flight, interleaved_1f1b, one_f_one_b, steps,
+    Action, Op, build, forward_only, gpipe, in_flight, interleaved_1f1b, one_f_one_b, steps,
 )
-from hybridpar.pipeline.simulate import ScheduleError, simulate
+from hybridpar.pipeline.simulate import ScheduleError, check, simulate
 
 A = Action
 F, B = Op.FWD, Op.BWD
@@ -156,3 +156,54 @@ def test_interleaved_needs_megatron_comm_placement():
         naive.append(out)
     with pytest.raises(ScheduleError, match="deadlock: rank 0 blocked"):
         simulate(naive, p, c)
+
+
+# Every (pp, v, M) the config accepts for evaluation: flat schedules any M, interleaved M % pp == 0.
+FORWARD_ONLY = ([(p, 1, m) for p in range(1, 9) for m in range(1, 17)]
+                + [(p, c, m) for p in range(2, 9) for c in (2, 3, 4) for m in range(p, 4 * p + 1, p)])
+
+
+@pytest.mark.parametrize("p,c,m", FORWARD_ONLY)
+def test_forward_only_runs_every_forward_once(p, c, m):
+    schedule = forward_only(p, m, c)
+    result = simulate(schedule, p, c, backward=False)  # raises on deadlock or bad order
+    assert _compute(schedule, p) == {(F, mb, v): 1 for mb in range(m) for v in range(p * c)}
+    _check_dataflow(result, p, c)
+    assert result.busy == pytest.approx([1.0 * m * c] * p)
+
+
+def _chunk_by_chunk(p, m, c):
+    """The evaluation order hybridpar shipped before: chunk 0 over all micro-batches, then 1."""
+    sched = []
+    for s in range(p):
+        acts = []
+        for ch in range(c):
+            v = ch * p + s
+            for mb in range(m):
+                acts += [A(RF, mb, ch)] * (v > 0) + [A(F, mb, ch)] + [A(SF, mb, ch)] * (v < p * c - 1)
+        sched.append(acts)
+    return sched
+
+
+@pytest.mark.parametrize("p,c,m", [(2, 2, 4), (4, 2, 8), (3, 3, 6)])
+def test_chunk_by_chunk_evaluation_deadlocks_and_is_caught(p, c, m):
+    """The bug this replaces: with M > pp the interleaved evaluation hung at the first eval.
+    The start-up check reports it instead."""
+    with pytest.raises(ScheduleError, match="evaluation schedule .* would not run: deadlock"):
+        check(_chunk_by_chunk(p, m, c), p, c, backward=False, what="evaluation schedule")
+    check(_chunk_by_chunk(p, p, c), p, c, backward=False)  # M == pp was fine
+
+
+def test_forward_only_rejects_backward_actions():
+    with pytest.raises(ScheduleError, match="in a forward-only schedule"):
+        simulate(gpipe(2, 1), 2, backward=False)
+    with pytest.raises(ScheduleError, match="missing B0"):
+        simulate(forward_only(2, 1), 2)  # a training check wants the backwards
+
+
+def test_forward_only_follows_the_training_order_of_its_schedule():
+    p, m, c = 2, 4, 2
+    fwd = [a for a in interleaved_1f1b(p, m, c)[0] if a.op is F]
+    assert [a for a in forward_only(p, m, c)[0] if a.op is F] == fwd
+    with pytest.raises(ValueError, match="multiple of n_stages=2"):
+        forward_only(2, 3, 2)

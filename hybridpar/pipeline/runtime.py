@@ -1,8 +1,10 @@
 """The interpreter of a pipeline schedule: runs one rank's action list on real tensors.
 
-Runs of consecutive SEND/RECV actions are posted together with ``batch_isend_irecv`` and
-waited on as one batch, exactly the semantics the simulator checks for deadlocks. With pp=1 the
-list is just F0 B0 F1 B1 ...: plain gradient accumulation through the same code.
+The list is cut into what is issued at once by ``schedules.steps`` and each message's peer is
+``schedules.peer_rank``: the very rules the simulator uses when it checks the list, so the
+runtime executes exactly what was proven deadlock-free (a batch of SEND/RECV actions is posted
+with ``batch_isend_irecv`` and waited on as one). With pp=1 the list is just F0 B0 F1 B1 ...:
+plain gradient accumulation through the same code.
 """
 from __future__ import annotations
 
@@ -14,9 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..watchdog import activity
-from .schedules import Action, Op
-
-COMM = {Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B}
+from .schedules import Action, Op, peer_rank, steps
 
 
 @dataclass
@@ -44,15 +44,11 @@ class PipelineRunner:
     on_action: Callable | None = None  # (action, t_start, t_end) for tracing
     meter: object | None = None  # memory.ActivationMeter
 
-    def _peer(self, op: Op) -> int:
-        P, s = self.mesh.layout.pp, self.mesh.pp_rank
-        nxt = op in (Op.SEND_F, Op.RECV_B)
-        return self.mesh.stage_rank((s + 1) % P if nxt else (s - 1) % P)
-
-    def _comm(self, batch: list[Action], st: StepState) -> None:
+    def _comm(self, batch: tuple[Action, ...], st: StepState) -> None:
         group, ops, where = self.mesh.group("pp"), [], []
         for a in batch:
-            key, peer = (a.chunk, a.mb), self._peer(a.op)
+            key = (a.chunk, a.mb)
+            peer = self.mesh.stage_rank(peer_rank(self.mesh.pp_rank, a, self.mesh.layout.pp))
             where.append((a.op.name, a.mb, peer))
             if a.op is Op.SEND_F:
                 t = st.outputs[key].detach()
@@ -101,26 +97,20 @@ class PipelineRunner:
         return chunk == len(self.chunks) - 1 and self.mesh.pp_rank == P - 1
 
     def run(self, actions: list[Action], inputs: list, targets: list) -> StepState:
-        st, i = StepState(), 0
-        while i < len(actions):
-            j = i
-            while j < len(actions) and actions[j].op in COMM:
-                j += 1
+        st = StepState()
+        for batch in steps(actions):
             t0 = time.perf_counter()
-            if j > i:
-                self._comm(actions[i:j], st)
-                done, i = actions[i:j], j
+            a = batch[0]
+            if a.op.is_comm:
+                self._comm(batch, st)
+            elif a.op is Op.FWD:
+                activity.mark("forward", a.mb)
+                self._forward(a, inputs, targets, st)
             else:
-                a = actions[i]
-                if a.op is Op.FWD:
-                    activity.mark("forward", a.mb)
-                    self._forward(a, inputs, targets, st)
-                else:
-                    activity.mark("backward", a.mb)
-                    self._backward(a, st)
-                done, i = [a], i + 1
+                activity.mark("backward", a.mb)
+                self._backward(a, st)
             if self.on_action is not None:
                 t1 = time.perf_counter()
-                for a in done:
-                    self.on_action(a, t0, t1)
+                for done in batch:
+                    self.on_action(done, t0, t1)
         return st

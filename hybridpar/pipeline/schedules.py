@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "Op", "Action", "Schedule", "SCHEDULES", "virtual_stage", "peer_rank", "steps", "in_flight",
-    "gpipe", "one_f_one_b", "interleaved_1f1b", "build",
+    "gpipe", "one_f_one_b", "interleaved_1f1b", "forward_only", "build",
 ]
 
 
@@ -247,21 +247,26 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
 def forward_only(n_stages: int, n_microbatches: int, n_chunks: int = 1) -> Schedule:
-    """Evaluation: every virtual stage forwards all micro-batches, chunk by chunk (no backward)."""
-    V = n_stages * n_chunks
-    sched: Schedule = []
-    for s in range(n_stages):
-        actions = []
-        for c in range(n_chunks):
-            v = c * n_stages + s
-            for mb in range(n_microbatches):
-                if v > 0:
-                    actions.append(Action(Op.RECV_F, mb, c))
-                actions.append(Action(Op.FWD, mb, c))
-                if v < V - 1:
-                    actions.append(Action(Op.SEND_F, mb, c))
-        sched.append(actions)
-    return sched
+    """Evaluation: the forwards of the training schedule of the same shape, in its order, each
+    with its receive right before and its send right after (no backward, nothing to keep).
+
+    The order matters as much as in training: chunk by chunk over *all* micro-batches (the
+    obvious order) deadlocks once M > n_stages with interleaving, because rank 0 posts its
+    first receive for chunk 1 only after sending every chunk-0 micro-batch, while rank p-1,
+    which must deliver that message, waits for rank 0's later sends. Megatron's order (groups of
+    ``n_stages`` micro-batches per chunk) keeps every link's sends and receives in step; the
+    simulator proves it for every (pp, v, M) the config accepts (tests/test_schedules.py)."""
+    _check_positive(n_stages=n_stages, n_microbatches=n_microbatches, n_chunks=n_chunks)
+    if n_chunks == 1:
+        order = [Action(Op.FWD, m) for m in range(n_microbatches)]
+    else:
+        if n_microbatches % n_stages:
+            raise ValueError(f"n_microbatches={n_microbatches} must be a multiple of "
+                             f"n_stages={n_stages} for the interleaved schedule")
+        group = n_stages * n_chunks
+        order = [Action(Op.FWD, (k // group) * n_stages + k % n_stages, (k % group) // n_stages)
+                 for k in range(n_microbatches * n_chunks)]
+    return [_with_comms(order, s, n_stages, n_chunks) for s in range(n_stages)]
 
 
 def build(name: str, n_stages: int, n_microbatches: int, n_chunks: int = 1) -> Schedule:

@@ -19,7 +19,7 @@ from typing import Callable, NamedTuple
 
 from hybridpar.pipeline.schedules import Action, Op, Schedule, in_flight, peer_rank, steps
 
-__all__ = ["ScheduleError", "Event", "SimResult", "simulate", "default_duration"]
+__all__ = ["ScheduleError", "Event", "SimResult", "simulate", "check", "default_duration"]
 
 CostFn = Callable[[int, Action], float]
 
@@ -101,12 +101,19 @@ def _check_rank(rank: int, actions: list[Action], n_stages: int, n_chunks: int) 
         done.add((a.op, a.mb, a.chunk))
 
 
-def _check_coverage(schedule: Schedule, n_stages: int, n_chunks: int) -> None:
-    """Every micro-batch seen anywhere is forwarded and backwarded once on every virtual stage."""
+def _check_coverage(schedule: Schedule, n_stages: int, n_chunks: int, backward: bool) -> None:
+    """Every micro-batch seen anywhere is forwarded (and, when training, backwarded) once on
+    every virtual stage; a forward-only (evaluation) list has no backward actions at all."""
     have = {(a.op, a.mb, a.chunk * n_stages + r) for r, acts in enumerate(schedule) for a in acts}
+    if not backward:
+        for r, acts in enumerate(schedule):
+            for a in acts:
+                if a.op in (Op.BWD, Op.SEND_B, Op.RECV_B):
+                    _fail(f"{a} on rank {r} in a forward-only schedule")
+    ops = (Op.FWD, Op.BWD) if backward else (Op.FWD,)
     for mb in sorted({mb for _, mb, _ in have}):
         for v in range(n_stages * n_chunks):
-            for op in (Op.FWD, Op.BWD):
+            for op in ops:
                 if (op, mb, v) not in have:
                     rank, chunk = v % n_stages, v // n_stages
                     _fail(f"missing {Action(op, mb, chunk)} on rank {rank} "
@@ -146,16 +153,18 @@ def _check_messages(schedule: Schedule, n_stages: int) -> dict:
 
 
 def simulate(schedule: Schedule, n_stages: int, n_chunks: int = 1,
-             duration: CostFn | None = None, comm_time: CostFn | None = None) -> SimResult:
+             duration: CostFn | None = None, comm_time: CostFn | None = None, *,
+             backward: bool = True) -> SimResult:
     """Validate ``schedule`` and time it; ``duration`` / ``comm_time`` map (rank, action) to
-    seconds (defaults: F = 1, B = 2, messages free). Raises ``ScheduleError`` if it is invalid."""
+    seconds (defaults: F = 1, B = 2, messages free). ``backward=False`` checks a forward-only
+    (evaluation) list. Raises ``ScheduleError`` if it is invalid."""
     if len(schedule) != n_stages:
         _fail(f"schedule has {len(schedule)} ranks but n_stages={n_stages}")
     if n_chunks < 1:
         _fail(f"n_chunks={n_chunks} must be >= 1")
     for r, acts in enumerate(schedule):
         _check_rank(r, acts, n_stages, n_chunks)
-    _check_coverage(schedule, n_stages, n_chunks)
+    _check_coverage(schedule, n_stages, n_chunks, backward)
     where = _check_messages(schedule, n_stages)
     events, clock = _run(schedule, n_stages, where, duration or default_duration,
                          comm_time or _no_comm_time)
@@ -213,3 +222,15 @@ def _run(schedule: Schedule, n_stages: int, where: dict, duration: CostFn,
     if blocked:
         _fail("deadlock: " + "; ".join(blocked))
     return events, clock
+
+
+def check(schedule: Schedule, n_stages: int, n_chunks: int = 1, *, backward: bool = True,
+          what: str = "schedule") -> None:
+    """Validate the lists a runtime is about to execute (milliseconds, before the first step).
+    A failure is a bug in a generator, never a user error: it is raised at start-up, naming the
+    schedule, instead of a hang in the middle of a run."""
+    try:
+        simulate(schedule, n_stages, n_chunks, backward=backward)
+    except ScheduleError as e:
+        raise ScheduleError(f"the {what} ({n_stages} stages, {n_chunks} chunks) would not run: "
+                            f"{e}") from None
