@@ -11,9 +11,14 @@ schedule knows nothing of this: ``finish()`` is the explicit synchronisation ste
 Result: grad = (1/dp) * sum over dp ranks of the local sum over micro-batches.
 
 ZeRO-1: bucket buffers are padded to a multiple of dp and rank r owns the contiguous slice r of
-each; gradients are reduce-scattered (on Gloo, which has no reduce-scatter, all-reduced: same
-values, more bytes), AdamW runs only on the owned slices (its state is 1/dp), and the updated
-slices are all-gathered into flat parameter buffers (parameters are views into them too).
+each; gradients are reduce-scattered (so a rank's *unowned* slices hold its local, unreduced
+sums: nothing may read them), AdamW runs only on the owned slices (its state is 1/dp), and the
+updated slices are all-gathered into flat parameter buffers (parameters are views into them).
+
+A parameter that is also summed with a copy on another pipeline stage (the tied embedding and
+output head) gets a bucket of its own on both stages, as in Megatron: the two buckets then have
+the same size and the same owned slices, so the cross-stage sum of a reduced slice meets the
+reduced slice of the same elements, on one code path for Gloo and NCCL.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .collectives import all_gather_flat, reduce_scatter_flat
 from .watchdog import activity
 
 
@@ -58,14 +64,18 @@ class GradSync:
 
     @classmethod
     def build(cls, params: list[nn.Parameter], *, group, n_accum: int, bucket_bytes: int,
-              zero1: bool = False, reduce_dtype: torch.dtype | None = None) -> "GradSync":
+              zero1: bool = False, reduce_dtype: torch.dtype | None = None,
+              own_bucket: tuple[nn.Parameter, ...] = ()) -> "GradSync":
+        """``own_bucket``: parameters that get a bucket to themselves (shared across stages)."""
         # reverse registration order ~ the order gradients become ready in backward
         order = [p for p in reversed(params) if p.requires_grad]
+        alone = {id(p) for p in own_bucket}
         groups: list[list[nn.Parameter]] = [[]]
         size = 0
         for p in order:
             nbytes = p.numel() * p.element_size()
-            if groups[-1] and size + nbytes > bucket_bytes:
+            if groups[-1] and (size + nbytes > bucket_bytes or id(p) in alone
+                               or id(groups[-1][-1]) in alone):
                 groups.append([])
                 size = 0
             groups[-1].append(p)
@@ -118,9 +128,9 @@ class GradSync:
 
     def _launch(self, b: Bucket) -> None:
         b.comm = b.grad if self.reduce_dtype is None else b.grad.to(self.reduce_dtype)
-        if self.zero1 and dist.get_backend(self.group) == "nccl":
-            out = b.comm.chunk(self.dp)[dist.get_rank(self.group)].clone()
-            b.handle = dist.reduce_scatter_tensor(out, b.comm, group=self.group, async_op=True)
+        if self.zero1:
+            out = torch.empty_like(b.comm.chunk(self.dp)[0])
+            b.handle = reduce_scatter_flat(out, b.comm, self.group, async_op=True)
             b.comm = out
         else:
             b.handle = dist.all_reduce(b.comm, group=self.group, async_op=True)
@@ -139,6 +149,19 @@ class GradSync:
         r = dist.get_rank(self.group)
         return r * size, (r + 1) * size
 
+    def owned_range(self, p: nn.Parameter) -> tuple[int, int]:
+        """The flat elements [a, e) of ``p.grad`` this rank owns after ``finish`` (all of them
+        without ZeRO-1): the only ones that hold the dp mean."""
+        b = self.buckets[self.bucket_of[id(p)]]
+        off = next(o for q, o in zip(b.params, _offsets(b.params)) if q is p)
+        lo, hi = self.shard_range(b)
+        a = min(max(lo - off, 0), p.numel())
+        return a, max(a, min(hi - off, p.numel()))
+
+    def owned_grad(self, p: nn.Parameter) -> torch.Tensor:
+        a, e = self.owned_range(p)
+        return p.grad.view(-1)[a:e]
+
     def finish(self) -> None:
         """Wait for every bucket (launching those never completed, e.g. unused parameters)
         and turn the sums into means."""
@@ -152,13 +175,10 @@ class GradSync:
             outer = activity.enter("dp all-reduce", f"bucket {i + 1}/{n}")  # watchdog: no I/O
             b.handle.wait()
             activity.leave(outer)
+            lo, hi = self.shard_range(b)
             if b.comm is not b.grad:
-                if b.comm.numel() == b.grad.numel():
-                    b.grad.copy_(b.comm)
-                else:
-                    lo, hi = self.shard_range(b)
-                    b.grad[lo:hi].copy_(b.comm)
-            b.grad.div_(self.dp)
+                b.grad[lo:hi].copy_(b.comm)
+            b.grad[lo:hi].div_(self.dp)
 
     def segments(self):
         """ZeRO-1: (param, flat param slice, flat grad slice) for each owned piece of a param."""
@@ -176,6 +196,5 @@ class GradSync:
         for i, b in enumerate(self.buckets):
             lo, hi = self.shard_range(b)
             outer = activity.enter("dp all-gather (ZeRO-1)", f"bucket {i + 1}/{len(self.buckets)}")
-            dist.all_gather(list(b.param_buf.chunk(self.dp)), b.param_buf[lo:hi].clone(),
-                            group=self.group)
+            all_gather_flat(b.param_buf, b.param_buf[lo:hi].clone(), self.group)
             activity.leave(outer)

@@ -103,11 +103,23 @@ class ParallelModel:
             # each tp rank saw only its part of the sequence in norms: sum their weight grads
             for name, p in self.module.named_parameters():
                 if self.specs[name].dim is None:
-                    dist.all_reduce(p.grad, group=self.mesh.group("tp"))
-        if self.mesh.embed_group is not None:
-            name = "tok_emb.weight" if self.is_first else "lm_head.weight"
-            p = dict(self.module.named_parameters())[name]
-            dist.all_reduce(p.grad, group=self.mesh.embed_group)
+                    dist.all_reduce(self.grad_sync.owned_grad(p), group=self.mesh.group("tp"))
+        tied = self.tied_param()
+        if tied is not None:
+            # the two stages' copies sit alone in equal buckets: same owned slice on both
+            dist.all_reduce(self.grad_sync.owned_grad(tied), group=self.mesh.embed_group)
+
+    def tied_param(self):
+        """This stage's copy of the embedding shared with another pipeline stage, if any."""
+        name = _tied_name(self.mesh)
+        return None if name is None else dict(self.module.named_parameters())[name]
+
+
+def _tied_name(mesh: ParallelMesh) -> str | None:
+    """The parameter a pipeline stage shares with another stage (summed over embed_group)."""
+    if mesh.embed_group is None:
+        return None
+    return "tok_emb.weight" if mesh.pp_rank == 0 else "lm_head.weight"
 
 
 def split_pipeline(model: Transformer, pp_rank: int, pp: int, split: list[int]) -> list[list[int]]:
@@ -211,10 +223,12 @@ def parallelize(cfg: Config, mesh: ParallelMesh, *, init_state=None) -> Parallel
                              mesh.layout.tp if dim is not None else 1, _init_key(m, name))
             param.copy_(spec.take(full_value(cfg, spec, init_state)))
             specs[name] = spec
-    params = [q for _, q in model.named_parameters()]
-    sync = GradSync.build(params, group=mesh.group("dp"), n_accum=p.microbatches,
-                          bucket_bytes=bucket_bytes(sum(q.numel() * q.element_size() for q in params),
-                                                       p.bucket_mb), zero1=p.zero1,
+    params = dict(model.named_parameters())
+    tied = params.get(_tied_name(mesh)) if _tied_name(mesh) else None
+    sync = GradSync.build(list(params.values()), group=mesh.group("dp"), n_accum=p.microbatches,
+                          bucket_bytes=bucket_bytes(sum(q.numel() * q.element_size()
+                                                        for q in params.values()), p.bucket_mb),
+                          zero1=p.zero1, own_bucket=(tied,) if tied is not None else (),
                           reduce_dtype=torch.bfloat16 if p.grad_reduce_dtype == "bf16" else None)
     amp = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.train.precision]
     last = len(chunk_ids) - 1
@@ -244,24 +258,38 @@ def build_optimizer(pm: ParallelModel, cfg: Config) -> torch.optim.Optimizer:
 
 
 def local_state(pm: ParallelModel, *, grads: bool = False) -> dict[str, tuple[ShardSpec, torch.Tensor]]:
-    """{name: (spec, local tensor)} of parameters (or their gradients), detached on CPU."""
+    """{name: (spec, local tensor)} of parameters (or their gradients), detached on CPU. Under
+    ZeRO-1 a rank's gradients are final only on the slices it owns: the others are NaN here,
+    so that no check can compare them by mistake."""
     out = {}
     for name, p in pm.named_parameters():
-        t = p.grad if grads else p
-        out[name] = (pm.specs[name], t.detach().cpu().clone())
+        t = (p.grad if grads else p).detach().cpu().clone()
+        if grads:
+            a, e = pm.grad_sync.owned_range(p)
+            if (a, e) != (0, p.numel()):
+                flat = torch.full((p.numel(),), float("nan"), dtype=t.dtype)
+                flat[a:e] = t.view(-1)[a:e]
+                t = flat.view_as(t)
+        out[name] = (pm.specs[name], t)
     return out
 
 
 def assemble(pieces: list[dict[str, tuple[ShardSpec, torch.Tensor]]]) -> dict[str, torch.Tensor]:
-    """Unsharded tensors from every rank's ``local_state`` (any layout); duplicates must agree
-    only in shape (dp replicas and tp-replicated parameters are taken once); the pipeline copy
-    of a tied output head is left out, as a single process has none."""
+    """Unsharded tensors from every rank's ``local_state`` (any layout). Elements start as NaN
+    and each piece fills what it holds (its non-NaN elements: a ZeRO-1 rank's owned gradient
+    slices), so an element no rank holds stays NaN; dp replicas and tp-replicated parameters
+    overwrite each other. The pipeline copy of a tied output head is left out, as a single
+    process has none."""
     full: dict[str, torch.Tensor] = {}
     for piece in pieces:
         for name, (spec, t) in piece.items():
             if spec.init_key != name:  # the pipeline copy of a tied embedding
                 continue
             if name not in full:
-                full[name] = torch.zeros(spec.full_shape, dtype=t.dtype)
-            spec.take(full[name]).copy_(t)
+                full[name] = torch.full(spec.full_shape, float("nan"), dtype=t.dtype)
+            dst, have = spec.take(full[name]), ~t.isnan()
+            if have.all():
+                dst.copy_(t)
+            else:
+                dst[have] = t[have]
     return full

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..collectives import reduce_scatter_flat
 from ..watchdog import activity
 
 
@@ -43,16 +44,14 @@ def shard(x: torch.Tensor, group, dim: int) -> torch.Tensor:
 
 
 def reduce_scatter(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """Sum over the group, keep this rank's 1/n of ``dim``: the ranks' chunks along ``dim``
+    laid end to end, one flat reduce-scatter."""
     n = _size(group)
-    parts = [p.contiguous() for p in x.chunk(n, dim=dim)]
-    out = torch.empty_like(parts[0])
-    if hasattr(dist, "reduce_scatter") and dist.get_backend(group) != "gloo":
-        outer = activity.enter("tp reduce-scatter")
-        dist.reduce_scatter(out, parts, group=group)
-        activity.leave(outer)
-    else:  # Gloo has no reduce_scatter: all-reduce, then keep our shard
-        full = all_reduce(torch.cat(parts, dim=dim), group)
-        out = full.chunk(n, dim=dim)[dist.get_rank(group)].contiguous()
+    parts = x.chunk(n, dim=dim)
+    out = torch.empty_like(parts[0], memory_format=torch.contiguous_format)
+    outer = activity.enter("tp reduce-scatter")
+    reduce_scatter_flat(out.view(-1), torch.cat([p.reshape(-1) for p in parts]), group)
+    activity.leave(outer)
     return out
 
 
