@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import torch
 
-from .config import Config, ConfigError, ModelConfig
+from .config import ConfigError, ModelConfig
 from .model import Transformer
 from .tensor_parallel.apply import ShardSpec
 
@@ -23,6 +23,7 @@ def load_model(source: str | os.PathLike, *, base: ModelConfig | None = None,
     """A single-device model with the weights of ``source`` (anything ``model.init_from``
     accepts). Folders declare their model config; a bare weights file needs ``base``."""
     from . import hf
+    from .models import spec_for
     from .parallelize import full_value
 
     m = hf.source_config(source, base) or base
@@ -36,11 +37,11 @@ def load_model(source: str | os.PathLike, *, base: ModelConfig | None = None,
     model.to_empty(device=device)
     if m.tie_embeddings:
         model.lm_head.weight = model.tok_emb.weight
-    model.init_rope(device)
-    cfg = Config(model=m)
+    spec = spec_for(m)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.copy_(full_value(cfg, ShardSpec(tuple(p.shape), init_key=name), state))
+            p.copy_(full_value(spec, ShardSpec(tuple(p.shape), init_key=name), seed=0,
+                               init_state=state, source=str(source)))
     return model.eval()
 
 

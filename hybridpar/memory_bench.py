@@ -52,7 +52,7 @@ def _worker(cfgs: dict[str, Config]) -> dict:
             m["busy_frac"] = busy[0] / (time.perf_counter() - t)
         out[name] = {"mem": m["mem"], "busy_frac": m["busy_frac"], "step_time_s": m["step_time_s"],
                      "params": sum(p.numel() for p in tr.pm.module.parameters()),
-                     "layers": len(tr.pm.layer_ids), "in_flight": m["max_in_flight"]}
+                     "layers": sum(u in tr.pm.spec.blocks for u in tr.pm.units), "in_flight": m["max_in_flight"]}
     teardown()
     return out
 

@@ -1,9 +1,10 @@
 """A Llama-style decoder as plain single-device PyTorch: no parallel code in this file.
 
-Parallelism is applied from outside (``parallelize.py``): tensor parallelism shards the linear
-weights and replaces the embedding; pipeline parallelism deletes the layers a stage does not own
-and sets ``tok_emb`` / ``norm`` / ``lm_head`` to None. Layers live in a ModuleDict keyed by their
-global index so parameter names (``layers.3.attn.wq.weight``) never depend on the layout.
+The engine sees it only through its spec (``hybridpar.models.llama``): units ``tok_emb``,
+``layers.0`` .. ``layers.{L-1}``, ``norm``, ``lm_head``, each callable on the previous one's
+output, so a pipeline stage is any contiguous run of them and ``forward`` is never needed by
+the engine. Layers live in a ModuleDict keyed by their global index so parameter names
+(``layers.3.attn.wq.weight``) never depend on the layout.
 """
 from __future__ import annotations
 
@@ -36,6 +37,21 @@ def rope_tables(seq_len: int, head_dim: int, theta: float, device=None) -> tuple
     return emb.cos(), emb.sin()
 
 
+class Rotary:
+    """The rotary tables, computed on first use per (length, device) and cached: not a buffer,
+    so a model built on the meta device needs no re-initialisation and nothing is saved."""
+
+    def __init__(self, head_dim: int, theta: float):
+        self.head_dim, self.theta = head_dim, theta
+        self._cache: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (length, str(device))
+        if key not in self._cache:
+            self._cache[key] = rope_tables(length, self.head_dim, self.theta, device)
+        return self._cache[key]
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # x: (B, T, H, hd); cos/sin: (T, hd)
     x1, x2 = x.chunk(2, dim=-1)
@@ -47,10 +63,10 @@ class Attention(nn.Module):
     """Grouped-query causal attention. Head counts are read from the weight shapes (``view(-1)``),
     so the same code runs on a tensor-parallel shard holding n_heads/tp and n_kv_heads/tp heads."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, rotary: Rotary):
         super().__init__()
         hd = cfg.head_dim
-        self.head_dim = hd
+        self.head_dim, self.rotary = hd, rotary
         self.wq = nn.Linear(cfg.d_model, cfg.n_heads * hd, bias=False)
         self.wk = nn.Linear(cfg.d_model, cfg.n_kv_heads * hd, bias=False)
         self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * hd, bias=False)
@@ -66,12 +82,13 @@ class Attention(nn.Module):
                                            is_causal=True)
         return y.transpose(1, 2)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, -1, self.head_dim)
         k = self.wk(x).view(B, T, -1, self.head_dim)
         v = self.wv(x).view(B, T, -1, self.head_dim)
-        q, k = apply_rope(q, cos[:T], sin[:T]), apply_rope(k, cos[:T], sin[:T])
+        cos, sin = self.rotary(T, x.device)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return self.wo(self.core(q, k, v).reshape(B, T, -1))
 
 
@@ -89,51 +106,41 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, rotary: Rotary):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, rotary)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
         return x + self.mlp(self.mlp_norm(x))
 
 
 class Transformer(nn.Module):
-    """tokens (B, T) -> logits (B, T, vocab). Any of tok_emb/norm/lm_head may be None on a
-    pipeline stage; the stage then takes or returns hidden states (B, T, d_model)."""
+    """tokens (B, T) -> logits (B, T, vocab). On a pipeline stage (torch's own pipelining, the
+    native benchmark) any part may be None; the forward then takes or returns hidden states."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.tok_emb: nn.Module | None = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
-        self.norm: nn.Module | None = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.lm_head: nn.Module | None = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleDict({str(i): Block(cfg, rotary) for i in range(cfg.n_layers)})
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
-        self.init_rope()
-
-    def init_rope(self, device=None) -> None:
-        """(Re)compute the rotary tables; needed after ``to_empty`` from the meta device."""
-        cos, sin = rope_tables(self.cfg.seq_len, self.cfg.head_dim, self.cfg.rope_theta, device)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_chunk(x, list(self.layers.keys()), embed=self.tok_emb is not None,
-                                  head=self.lm_head is not None)
-
-    def forward_chunk(self, x: torch.Tensor, layer_keys: list[str], *, embed: bool, head: bool) -> torch.Tensor:
-        """Run some of the layers (an interleaved pipeline rank holds several separate runs)."""
-        h = self.tok_emb(x) if embed else x
-        for key in layer_keys:
-            h = self.layers[key](h, self.rope_cos, self.rope_sin)
-        if head:
-            h = self.lm_head(self.norm(h))
-        return h
+        h = self.tok_emb(x) if self.tok_emb is not None else x
+        for block in self.layers.values():
+            if block is not None:
+                h = block(h)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.lm_head(h) if self.lm_head is not None else h
 
 
 def init_std(cfg: ModelConfig, name: str) -> float | None:

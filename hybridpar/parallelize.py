@@ -1,12 +1,15 @@
 """``parallelize``: the one place that fixes the order pipeline split -> tensor parallel -> data parallel.
 
-The model is built on the meta device, cut and sharded there, then only this rank's shard is
-materialised. Each parameter is initialised from a generator keyed by (seed, unsharded name),
-generated at full size and sliced, so every layout starts from the very same weights as a
-single process.
+The model comes from its ``ModelSpec`` (``hybridpar.models``): built on the meta device, cut into
+this rank's units and sharded there, then only this rank's shard is materialised. Each parameter
+is initialised by the spec from a generator keyed by (seed, unsharded name), generated at full
+size and sliced, so every layout starts from the very same weights as a single process. Nothing
+here names a model's modules: units, tensor-parallel plan, tied parameters and loss are the
+spec's data.
 """
 from __future__ import annotations
 
+import contextlib
 import zlib
 from dataclasses import dataclass, field
 
@@ -14,43 +17,49 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .config import Config, ModelConfig, bucket_bytes, pp_split
+from .config import Config, bucket_bytes, pp_split
 from .data_parallel import GradSync
 from .memory import record_saved
 from .mesh import ParallelMesh
-from .model import Transformer, init_std
-from .tensor_parallel.apply import ShardSpec, apply_tp
+from .models import CROSS_ENTROPY, ModelSpec, spec_for
+from .tensor_parallel.apply import ShardSpec, apply_tp, check_plan, style_of
 from .tensor_parallel.layers import cross_entropy
 
 
-@dataclass
-class Chunk:
-    """One contiguous run of layers executed as a pipeline virtual stage on this rank."""
+class Stage:
+    """One virtual stage on this rank: its units of the model, called in order. A unit gets
+    the previous unit's output (a tuple is unpacked into its arguments), the first one the
+    stage's inputs; the stage returns the last unit's output (a tensor or a tuple)."""
 
-    model: Transformer
-    layer_keys: list[str]
-    embed: bool
-    head: bool
-    autocast_dtype: torch.dtype | None = None
+    def __init__(self, model: nn.Module, units: list[str], *, device_type: str = "cpu",
+                 autocast_dtype: torch.dtype | None = None):
+        self.units = units
+        self.modules = [model.get_submodule(u) for u in units]
+        self.device_type, self.autocast_dtype = device_type, autocast_dtype
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.autocast_dtype is None:
-            return self.model.forward_chunk(x, self.layer_keys, embed=self.embed, head=self.head)
-        with torch.autocast(x.device.type, dtype=self.autocast_dtype):
-            return self.model.forward_chunk(x, self.layer_keys, embed=self.embed, head=self.head)
+    def __call__(self, *xs):
+        ctx = (contextlib.nullcontext() if self.autocast_dtype is None
+               else torch.autocast(self.device_type, dtype=self.autocast_dtype))
+        out = xs if len(xs) > 1 else xs[0]
+        with ctx:
+            for m in self.modules:
+                out = m(*out) if isinstance(out, tuple) else m(out)
+        return out
 
 
 @dataclass
 class ParallelModel:
     """This rank's piece of the model and what is needed to train and save it."""
 
-    module: Transformer
+    module: nn.Module
     mesh: ParallelMesh
+    spec: ModelSpec
     specs: dict[str, ShardSpec]  # local parameter name -> place in the unsharded tensor
-    layer_ids: list[int]
     grad_sync: GradSync
-    chunks: list[Chunk] = field(default_factory=list)  # virtual stages, in schedule chunk order
+    chunks: list[Stage] = field(default_factory=list)  # virtual stages, in schedule chunk order
     sequence_parallel: bool = False
+    vocab_parallel_loss: bool = False  # the head is split by vocabulary rows over tp
+    stage_units: list[list[str]] = field(default_factory=list)  # every virtual stage's units
 
     @property
     def is_first(self) -> bool:
@@ -61,14 +70,18 @@ class ParallelModel:
         return self.mesh.pp_rank == self.mesh.layout.pp - 1
 
     @property
-    def tied_copy(self) -> bool:
-        """lm_head.weight is a pp-separated copy of tok_emb.weight, kept equal by summing grads."""
-        return self.mesh.embed_group is not None and self.is_last
+    def units(self) -> list[str]:
+        return [u for stage in self.chunks for u in stage.units]
 
-    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        tp_rows = logits.size(-1)
-        return cross_entropy(logits, targets, group=self.mesh.group("tp"),
-                             vocab_start=self.mesh.tp_rank * tp_rows)
+    def loss(self, output, targets: torch.Tensor) -> torch.Tensor:
+        """The spec's loss of one micro-batch (a mean); the library's token cross-entropy is
+        vocab-parallel when the head is split over tp."""
+        if self.spec.loss != CROSS_ENTROPY:
+            return self.spec.loss(output, targets)
+        if not self.vocab_parallel_loss:
+            return cross_entropy(output, targets)
+        return cross_entropy(output, targets, group=self.mesh.group("tp"),
+                             vocab_start=self.mesh.tp_rank * output.size(-1))
 
     def named_parameters(self):
         return self.module.named_parameters()
@@ -78,7 +91,7 @@ class ParallelModel:
         on tp rank 0 only, the pipeline copy of a tied embedding never."""
         for name, p in self.module.named_parameters():
             spec = self.specs[name]
-            if self.tied_copy and name == "lm_head.weight":
+            if spec.init_key != name:  # the pipeline copy of a tied parameter
                 continue
             if spec.dim is None and self.mesh.tp_rank != 0:
                 continue
@@ -104,50 +117,51 @@ class ParallelModel:
             for name, p in self.module.named_parameters():
                 if self.specs[name].dim is None:
                     dist.all_reduce(self.grad_sync.owned_grad(p), group=self.mesh.group("tp"))
-        tied = self.tied_param()
-        if tied is not None:
+        for p in self.shared_across_stages():
             # the two stages' copies sit alone in equal buckets: same owned slice on both
-            dist.all_reduce(self.grad_sync.owned_grad(tied), group=self.mesh.embed_group)
+            dist.all_reduce(self.grad_sync.owned_grad(p), group=self.mesh.embed_group)
 
-    def tied_param(self):
-        """This stage's copy of the embedding shared with another pipeline stage, if any."""
-        name = _tied_name(self.mesh)
-        return None if name is None else dict(self.module.named_parameters())[name]
+    def shared_across_stages(self) -> list[nn.Parameter]:
+        """This stage's tied parameters whose other copy lives on another pipeline stage (their
+        gradients are summed over ``embed_group``), in the spec's order on both stages."""
+        return _shared_across_stages(self.module, self.spec, self.mesh)
 
 
-def _tied_name(mesh: ParallelMesh) -> str | None:
-    """The parameter a pipeline stage shares with another stage (summed over embed_group)."""
+def _shared_across_stages(model: nn.Module, spec: ModelSpec, mesh: ParallelMesh) -> list[nn.Parameter]:
     if mesh.embed_group is None:
-        return None
-    return "tok_emb.weight" if mesh.pp_rank == 0 else "lm_head.weight"
+        return []
+    params = dict(model.named_parameters())
+    out = []
+    for src, copy in spec.tied:
+        if (src in params) != (copy in params):  # one side here, the other on another stage
+            out.append(params[src] if src in params else params[copy])
+    return out
 
 
-def split_pipeline(model: Transformer, pp_rank: int, pp: int, split: list[int]) -> list[list[int]]:
-    """Keep only this rank's layers; returns the layer ids of each of its chunks.
+def split_pipeline(model: nn.Module, spec: ModelSpec, pp_rank: int, pp: int,
+                   split: list[int]) -> list[list[str]]:
+    """Keep only this rank's units; returns the unit names of each of its chunks.
 
-    ``split`` gives layers per virtual stage (pp * chunks of them); virtual stage c*pp + r lives
-    on rank r as its chunk c (Megatron's interleaving). The first virtual stage embeds, the last
-    norms and projects."""
+    ``split`` gives blocks per virtual stage (pp * chunks of them); virtual stage c*pp + r lives
+    on rank r as its chunk c (Megatron's interleaving). The first virtual stage also runs the
+    stem, the last the head. A unit not kept is set to None in its parent (names of the kept
+    ones never change)."""
     n_chunks = len(split) // pp
-    starts = [sum(split[:v]) for v in range(len(split))]
-    chunks = [list(range(starts[c * pp + pp_rank], starts[c * pp + pp_rank] + split[c * pp + pp_rank]))
-              for c in range(n_chunks)]
-    keep = {i for ids in chunks for i in ids}
-    for key in list(model.layers.keys()):
-        if int(key) not in keep:
-            del model.layers[key]
-    if pp_rank != 0:
-        model.tok_emb = None
-    if pp_rank != pp - 1:
-        model.norm = None
-        model.lm_head = None
+    per_stage = spec.stage_units(split)
+    chunks = [per_stage[c * pp + pp_rank] for c in range(n_chunks)]
+    keep = {u for units in chunks for u in units}
+    for unit in spec.units:
+        if unit not in keep:
+            parent, _, leaf = unit.rpartition(".")
+            (model.get_submodule(parent) if parent else model)._modules[leaf] = None
     return chunks
 
 
-def apply_recompute(model: Transformer, mode: str) -> None:
+def apply_recompute(model: nn.Module, spec: ModelSpec, mode: str) -> None:
     """Recompute activations in backward instead of storing them: ``full`` keeps only each
-    block's input, ``selective`` drops the attention core (softmax(QK^T)V, the largest and
-    cheapest-to-recompute activations). Instance-level forward override keeps parameter names."""
+    block's input, ``selective`` drops what the spec names (for a transformer, the attention
+    core softmax(QK^T)V: the largest and cheapest-to-recompute activations). Instance-level
+    overrides keep parameter names."""
     from torch.utils.checkpoint import checkpoint
 
     def wrap(module: nn.Module, fn_name: str) -> None:
@@ -158,85 +172,97 @@ def apply_recompute(model: Transformer, mode: str) -> None:
             return checkpoint(fn, *args, use_reentrant=False)
         setattr(module, fn_name, run)
 
-    for block in model.layers.values():
-        if mode == "full":
-            wrap(block, "forward")
-        elif mode == "selective":
-            wrap(block.attn, "core")
+    modules = dict(model.named_modules())
+    if mode == "full":
+        for unit in spec.blocks:
+            if unit in modules:
+                wrap(modules[unit], "forward")
+    elif mode == "selective":
+        for entry in spec.selective_recompute:
+            pattern, _, method = entry.partition(":")
+            for name, module in modules.items():
+                if name and style_of({pattern: ""}, name):
+                    wrap(module, method or "forward")
 
 
-def _init_key(cfg: ModelConfig, name: str) -> str:
-    return "tok_emb.weight" if cfg.tie_embeddings and name == "lm_head.weight" else name
-
-
-def init_full(cfg: ModelConfig, key: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+def init_full(spec: ModelSpec, key: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
     """The unsharded initial value of parameter ``key``; independent of layout and device."""
-    std = init_std(cfg, key)
-    if std is None:
-        return torch.ones(shape)
     g = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{key}".encode()))
-    return torch.empty(shape).normal_(0.0, std, generator=g)
+    if spec.init is None:
+        raise ValueError(f"model spec {spec.name!r} has no init; give ModelSpec.init or init_state")
+    return spec.init(key, shape, g)
 
 
-def full_value(cfg: Config, spec: ShardSpec, init_state=None) -> torch.Tensor:
-    """The unsharded starting value of ``spec.init_key``: from ``init_state`` (a mapping of full
-    tensors under our names, e.g. a Hugging Face import) when given, else the seeded init."""
+def full_value(spec: ModelSpec, shard: ShardSpec, *, seed: int, init_state=None,
+               source: str = "init_state") -> torch.Tensor:
+    """The unsharded starting value of ``shard.init_key``: from ``init_state`` (a mapping of
+    full tensors under the model's names, e.g. a Hugging Face import) when given, else the
+    spec's seeded init."""
     if init_state is None:
-        return init_full(cfg.model, spec.init_key, spec.full_shape, cfg.train.seed)
+        return init_full(spec, shard.init_key, shard.full_shape, seed)
     from .config import ConfigError
-    src = cfg.model.init_from or "init_state"
-    if spec.init_key not in init_state:
-        raise ConfigError(f"model.init_from={src} has no tensor {spec.init_key}")
-    full = init_state[spec.init_key]
-    if tuple(full.shape) != spec.full_shape:
-        raise ConfigError(f"model.init_from={src}: {spec.init_key} has shape {tuple(full.shape)}, "
-                          f"the model config needs {spec.full_shape}; set the model fields to match")
+    if shard.init_key not in init_state:
+        raise ConfigError(f"model.init_from={source} has no tensor {shard.init_key}")
+    full = init_state[shard.init_key]
+    if tuple(full.shape) != shard.full_shape:
+        raise ConfigError(f"model.init_from={source}: {shard.init_key} has shape "
+                          f"{tuple(full.shape)}, the model config needs {shard.full_shape}; "
+                          f"set the model fields to match")
     return full
 
 
-def parallelize(cfg: Config, mesh: ParallelMesh, *, init_state=None) -> ParallelModel:
-    """This rank's shard of the model, initialised from ``init_state`` / ``cfg.model.init_from``
-    (full tensors, each rank keeps ``ShardSpec.take`` of them) or from the seeded init."""
-    m = cfg.model
+def _set_param(model: nn.Module, name: str, p: nn.Parameter) -> None:
+    owner, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(owner) if owner else model, leaf, p)
+
+
+def parallelize(cfg: Config, mesh: ParallelMesh, *, spec: ModelSpec | None = None,
+                init_state=None) -> ParallelModel:
+    """This rank's shard of the model ``spec`` describes (default: the config's model),
+    initialised from ``init_state`` / ``cfg.model.init_from`` (full tensors, each rank keeps
+    ``ShardSpec.take`` of them) or from the spec's seeded init."""
+    m, p = cfg.model, cfg.parallel
+    spec = spec or spec_for(m)
     if init_state is None and m.init_from:
         from .hf import open_state
         init_state = open_state(m.init_from)
     with torch.device("meta"):
-        model = Transformer(m)
-    full_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    full_shapes["lm_head.weight"] = (m.vocab_size, m.d_model)
-    p = cfg.parallel
-    split = pp_split(m.n_layers, mesh.layout.pp * p.virtual_stages, p.pp_split)
-    chunk_ids = split_pipeline(model, mesh.pp_rank, mesh.layout.pp, split)
-    tp_dims = apply_tp(model, mesh, sequence_parallel=p.sequence_parallel)
-    apply_recompute(model, p.recompute)
+        model = spec.build()
+    check_plan(model, spec.tp_plan, mesh.layout.tp, where=spec.name)
+    full_shapes = {n: tuple(q.shape) for n, q in model.named_parameters(remove_duplicate=False)}
+    split = pp_split(len(spec.blocks), mesh.layout.pp * p.virtual_stages, p.pp_split)
+    chunk_units = split_pipeline(model, spec, mesh.pp_rank, mesh.layout.pp, split)
+    tp_dims = apply_tp(model, mesh, dict(spec.tp_plan), sequence_parallel=p.sequence_parallel)
+    apply_recompute(model, spec, p.recompute)
 
     model.to_empty(device=mesh.device)  # allocates each parameter anew: re-tie below
-    if m.tie_embeddings and model.tok_emb is not None and model.lm_head is not None:
-        model.lm_head.weight = model.tok_emb.weight
-    model.init_rope(mesh.device)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for src, copy in spec.tied:
+        if src in params and copy in params:
+            _set_param(model, copy, params[src])
     specs = {}
     with torch.no_grad():
         for name, param in model.named_parameters():
             dim = tp_dims.get(name)
-            spec = ShardSpec(full_shapes[name], dim, mesh.tp_rank if dim is not None else 0,
-                             mesh.layout.tp if dim is not None else 1, _init_key(m, name))
-            param.copy_(spec.take(full_value(cfg, spec, init_state)))
-            specs[name] = spec
+            shard = ShardSpec(full_shapes[name], dim, mesh.tp_rank if dim is not None else 0,
+                              mesh.layout.tp if dim is not None else 1, spec.tied_source(name))
+            param.copy_(shard.take(full_value(spec, shard, seed=cfg.train.seed,
+                                              init_state=init_state,
+                                              source=m.init_from or "init_state")))
+            specs[name] = shard
     params = dict(model.named_parameters())
-    tied = params.get(_tied_name(mesh)) if _tied_name(mesh) else None
     sync = GradSync.build(list(params.values()), group=mesh.group("dp"), n_accum=p.microbatches,
                           bucket_bytes=bucket_bytes(sum(q.numel() * q.element_size()
                                                         for q in params.values()), p.bucket_mb),
-                          zero1=p.zero1, own_bucket=(tied,) if tied is not None else (),
+                          zero1=p.zero1, own_bucket=tuple(_shared_across_stages(model, spec, mesh)),
                           reduce_dtype=torch.bfloat16 if p.grad_reduce_dtype == "bf16" else None)
     amp = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.train.precision]
-    last = len(chunk_ids) - 1
-    chunks = [Chunk(model, [str(i) for i in ids], embed=mesh.pp_rank == 0 and c == 0,
-                    head=mesh.pp_rank == mesh.layout.pp - 1 and c == last, autocast_dtype=amp)
-              for c, ids in enumerate(chunk_ids)]
-    return ParallelModel(model, mesh, specs, sorted(i for ids in chunk_ids for i in ids), sync,
-                         chunks, p.sequence_parallel)
+    chunks = [Stage(model, units, device_type=mesh.device.type, autocast_dtype=amp)
+              for units in chunk_units]
+    vocab_parallel = mesh.layout.tp > 1 and any(
+        "vocab_head" in style_of(dict(spec.tp_plan), u) for u in spec.head)
+    return ParallelModel(model, mesh, spec, specs, sync, chunks, p.sequence_parallel,
+                         vocab_parallel, spec.stage_units(split))
 
 
 def build_optimizer(pm: ParallelModel, cfg: Config) -> torch.optim.Optimizer:

@@ -24,6 +24,8 @@ from .errors import NonFiniteError, faults_for, inject
 from .memory import ActivationMeter, peak_memory_bytes, state_bytes
 from .mesh import ParallelMesh
 from .parallelize import ParallelModel, build_optimizer, parallelize
+from .models import ModelSpec
+from .pipeline.boundaries import infer_boundaries
 from .pipeline.runtime import PipelineRunner
 from .pipeline.schedules import build as build_schedule, forward_only
 from .pipeline.simulate import check as check_schedule
@@ -80,11 +82,12 @@ def _local_rows(step: int, cfg: Config, mesh: ParallelMesh, tokens):
 class Trainer:
     """State of one run on one rank: model piece, optimizer, schedule, runner."""
 
-    def __init__(self, cfg: Config, mesh: ParallelMesh, dataset=None):
+    def __init__(self, cfg: Config, mesh: ParallelMesh, dataset=None, *,
+                 spec: ModelSpec | None = None):
         self.cfg, self.mesh = cfg, mesh
         self.dataset = dataset if dataset is not None else data_mod.load_dataset(
             cfg.data.path or None, seq_len=cfg.model.seq_len, val_fraction=cfg.data.val_fraction)
-        self.pm = parallelize(cfg, mesh)
+        self.pm = parallelize(cfg, mesh, spec=spec)
         self.opt = build_optimizer(self.pm, cfg)
         p = cfg.parallel
         P, v = mesh.layout.pp, p.virtual_stages
@@ -95,12 +98,12 @@ class Trainer:
         check_schedule(train_lists, P, v, what=f"{p.schedule} training schedule")
         check_schedule(eval_lists, P, v, backward=False, what="evaluation schedule")
         self.actions, self.eval_actions = train_lists[mesh.pp_rank], eval_lists[mesh.pp_rank]
-        rows = cfg.train.global_batch // (p.dp * p.microbatches)
-        seq = cfg.model.seq_len // (p.tp if p.sequence_parallel else 1)
-        dtype = next(self.pm.module.parameters()).dtype
+        # what crosses each pipeline boundary, from a meta-device forward of one micro-batch
+        example = _local_rows(0, cfg, mesh, self.dataset.train)[0][0]
+        boundaries = infer_boundaries(self.pm.spec.build, self.pm.stage_units, example,
+                                      seq_shards=p.tp if p.sequence_parallel else 1)
         self.scaler = LossScaler() if cfg.train.precision == "fp16" else None
-        self.runner = PipelineRunner(self.pm.chunks, mesh, p.microbatches,
-                                     (rows, seq, cfg.model.d_model), dtype, self._loss)
+        self.runner = PipelineRunner(self.pm.chunks, mesh, p.microbatches, boundaries, self._loss)
         self.meter = ActivationMeter(self.pm.module.parameters())
         self.runner.meter = self.meter
         self.step = 0
@@ -238,9 +241,11 @@ class Trainer:
         return total / (n * mesh.layout.dp)
 
 
-def train(cfg: Config, mesh: ParallelMesh, *, dataset=None, callbacks: Callbacks | None = None) -> list[dict]:
-    """Train ``cfg.train.steps`` steps on this rank; returns the per-step metrics (every rank)."""
-    trainer = Trainer(cfg, mesh, dataset)
+def train(cfg: Config, mesh: ParallelMesh, *, dataset=None, callbacks: Callbacks | None = None,
+          spec: ModelSpec | None = None) -> list[dict]:
+    """Train ``cfg.train.steps`` steps on this rank; returns the per-step metrics (every rank).
+    ``spec`` describes the model (default: the one ``cfg.model`` names)."""
+    trainer = Trainer(cfg, mesh, dataset, spec=spec)
     t = cfg.train
     tracer = trace.Tracer(mesh.rank).install(trainer) if t.trace else None
     is_rank0 = mesh.rank == 0

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from hybridpar import data
 from hybridpar.model import Transformer
+from hybridpar.models import spec_for
 from hybridpar.parallelize import init_full
 from hybridpar.testing import reference, rel_err, tiny_config, tiny_dataset
 from hybridpar.train import lr_at
@@ -23,7 +24,7 @@ def plain_loop(cfg, dataset):
     model = Transformer(cfg.model)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.copy_(init_full(cfg.model, name, tuple(p.shape), cfg.train.seed))
+            p.copy_(init_full(spec_for(cfg.model), name, tuple(p.shape), cfg.train.seed))
     t = cfg.train
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]

@@ -34,6 +34,7 @@ from .. import data as data_mod
 from ..config import Config, bucket_bytes, pp_split
 from ..mesh import Layout
 from ..model import Transformer
+from ..models import spec_for
 from ..parallelize import init_full
 from ..train import lr_at
 
@@ -42,10 +43,10 @@ def build_model(cfg: Config, pp_rank: int, pp: int) -> Transformer:
     """This stage's layers of the single-device model, with hybridpar's seeded initial values."""
     if cfg.model.tie_embeddings:
         raise ValueError("the native benchmark does not tie embeddings; use --model.tie_embeddings=false")
-    model = Transformer(cfg.model)
+    model, spec = Transformer(cfg.model), spec_for(cfg.model)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.copy_(init_full(cfg.model, name, tuple(p.shape), cfg.train.seed))
+            p.copy_(init_full(spec, name, tuple(p.shape), cfg.train.seed))
     split = pp_split(cfg.model.n_layers, pp, cfg.parallel.pp_split)
     start = sum(split[:pp_rank])
     for key in list(model.layers.keys()):

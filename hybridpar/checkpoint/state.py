@@ -161,8 +161,8 @@ def state_dict(pm: ParallelModel, moments: Moments, *, for_load: bool) -> dict[s
 
 def full_shapes(model_cfg) -> dict[str, tuple[int, ...]]:
     """Unsharded shape of every saved tensor of a model config (``model/`` keys)."""
-    from ..model import Transformer
+    from ..models import spec_for
 
     with torch.device("meta"):
-        model = Transformer(model_cfg)
+        model = spec_for(model_cfg).build()
     return {f"model/{n}": tuple(p.shape) for n, p in model.named_parameters()}

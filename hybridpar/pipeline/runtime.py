@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..watchdog import activity
+from .boundaries import Boundary, as_tuple, check_boundary
 from .schedules import Action, Op, peer_rank, steps
 
 
@@ -23,9 +24,9 @@ from .schedules import Action, Op, peer_rank, steps
 class StepState:
     """Tensors in flight for one optimizer step, keyed by (chunk, micro-batch)."""
 
-    inputs: dict = field(default_factory=dict)      # received activations (require grad)
+    inputs: dict = field(default_factory=dict)      # received activations: tuples of tensors
     outputs: dict = field(default_factory=dict)     # stage outputs, or the loss on the last stage
-    grads_in: dict = field(default_factory=dict)    # received output gradients
+    grads_in: dict = field(default_factory=dict)    # received output gradients: tuples
     losses: dict = field(default_factory=dict)      # last stage: detached per-mb loss
     max_in_flight: int = 0
 
@@ -33,47 +34,63 @@ class StepState:
 @dataclass
 class PipelineRunner:
     """Executes actions for one rank. ``chunks`` are this rank's model pieces (one unless
-    interleaved); ``loss_fn(logits, targets)`` is the mean token loss of a micro-batch."""
+    interleaved); ``boundaries[v]`` is what virtual stage v sends to v+1 (a tuple of tensor
+    shapes and dtypes); ``loss_fn(output, targets)`` is the mean loss of a micro-batch."""
 
     chunks: list
     mesh: object
     n_microbatches: int
-    act_shape: tuple[int, ...]
-    act_dtype: torch.dtype
+    boundaries: list[Boundary]
     loss_fn: Callable
     on_action: Callable | None = None  # (action, t_start, t_end) for tracing
     meter: object | None = None  # memory.ActivationMeter
 
+    def _vstage(self, chunk: int) -> int:
+        return chunk * self.mesh.layout.pp + self.mesh.pp_rank
+
     def _comm(self, batch: tuple[Action, ...], st: StepState) -> None:
-        group, ops, where = self.mesh.group("pp"), [], []
+        """One batch of p2p ops. A boundary's tensors travel in tuple order; gradients only for
+        its floating tensors, in the same order on both sides."""
+        group, ops, where, dev = self.mesh.group("pp"), [], [], self.mesh.device
         for a in batch:
-            key = (a.chunk, a.mb)
+            key, v = (a.chunk, a.mb), self._vstage(a.chunk)
             peer = self.mesh.stage_rank(peer_rank(self.mesh.pp_rank, a, self.mesh.layout.pp))
             where.append((a.op.name, a.mb, peer))
             if a.op is Op.SEND_F:
-                t = st.outputs[key].detach()
+                out = as_tuple(st.outputs[key])
+                check_boundary(v, out, self.boundaries[v])
+                tensors = [t.detach().contiguous() for t in out]
             elif a.op is Op.SEND_B:
-                t = st.inputs.pop(key).grad
+                ins = st.inputs.pop(key)
+                tensors = [(t.grad if t.grad is not None else torch.zeros_like(t)).contiguous()
+                           for t, m in zip(ins, self.boundaries[v - 1]) if m.has_grad]
+            elif a.op is Op.RECV_F:
+                tensors = [torch.empty(m.shape, dtype=m.dtype, device=dev)
+                           for m in self.boundaries[v - 1]]
+                st.inputs[key] = tuple(tensors)
             else:
-                t = torch.empty(self.act_shape, dtype=self.act_dtype, device=self.mesh.device)
-                (st.inputs if a.op is Op.RECV_F else st.grads_in)[key] = t
+                tensors = [torch.empty(m.shape, dtype=m.dtype, device=dev)
+                           for m in self.boundaries[v] if m.has_grad]
+                st.grads_in[key] = tuple(tensors)
             fn = dist.isend if a.op in (Op.SEND_F, Op.SEND_B) else dist.irecv
-            ops.append(dist.P2POp(fn, t.contiguous(), peer, group))
+            ops += [dist.P2POp(fn, t, peer, group) for t in tensors]
         activity.mark("pp", comm=True, detail=where)  # for the watchdog: no I/O
         for w in dist.batch_isend_irecv(ops):
             w.wait()
         for a in batch:
             if a.op is Op.RECV_F:
-                st.inputs[(a.chunk, a.mb)].requires_grad_(True)
+                for t in st.inputs[(a.chunk, a.mb)]:
+                    if t.dtype.is_floating_point:
+                        t.requires_grad_(True)
 
     def _forward(self, a: Action, inputs, targets, st: StepState) -> None:
         key, chunk = (a.chunk, a.mb), self.chunks[a.chunk]
-        x = inputs[a.mb] if key not in st.inputs else st.inputs[key]
+        x = as_tuple(inputs[a.mb] if key not in st.inputs else st.inputs[key])
         if self.meter is None:
-            out = chunk(x)
+            out = chunk(*x)
         else:
             with self.meter.forward(key):
-                out = chunk(x)
+                out = chunk(*x)
         if self._is_last(a.chunk):
             loss = self.loss_fn(out, targets[a.mb]) / self.n_microbatches
             st.losses[a.mb] = loss.detach()
@@ -89,7 +106,11 @@ class PipelineRunner:
         if self._is_last(a.chunk):
             out.backward()
         else:
-            torch.autograd.backward(out, st.grads_in.pop(key))
+            v = self._vstage(a.chunk)
+            outs = [t for t, m in zip(as_tuple(out), self.boundaries[v]) if m.has_grad]
+            pairs = [(t, g) for t, g in zip(outs, st.grads_in.pop(key)) if t.requires_grad]
+            if pairs:
+                torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
         # a received input stays in st.inputs until SEND_B takes its .grad
 
     def _is_last(self, chunk: int) -> bool:

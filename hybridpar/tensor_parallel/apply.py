@@ -1,31 +1,35 @@
-"""Megatron tensor parallelism applied from outside the model, by a plan.
+"""Megatron tensor parallelism applied from outside the model, by a plan keyed by module names.
 
-Per block, with X the block input replicated on every tp rank:
-  attention:  Q,K,V = X W_q, X W_k, X W_v with W split by columns (heads): each rank owns
-              n_heads/tp query and n_kv_heads/tp kv heads; O = concat_r(A_r) W_o with W_o split
-              by rows, so O = sum_r A_r W_o[r] -> one all-reduce.
-  mlp:        H = silu(X W_1) * (X W_3) with W_1, W_3 by columns; Y = H W_2 with W_2 by rows.
-One ``copy_to_tp`` at each region's input and one ``reduce_from_tp`` after each row-parallel
-linear: 2 all-reduces forward and 2 backward per block. The embedding and the output head are
-split by vocabulary rows.
+A plan maps ``fnmatch`` patterns of module names to a style:
+  region           its input X is copied to the tp group (``copy_to_tp``: identity forward,
+                   all-reduce of dX backward); with sequence parallelism, all-gathered along
+                   the sequence (dim 1) instead
+  colwise          Linear Y = X W^T with W (and the bias) split by output features: rank r
+                   computes Y[..., r-th slice]; no communication
+  rowwise          Linear Y = X W^T + b with W split by input features: rank r computes its
+                   partial X_r W_r^T, one all-reduce sums them (SP: a reduce-scatter along the
+                   sequence), and the bias is added once, after the sum
+  vocab_embedding  Embedding split by vocabulary rows (each rank looks up what it owns)
+  vocab_head       output Linear split by vocabulary rows; its input is a region; the loss is
+                   then the vocab-parallel cross-entropy (the full logits never exist)
+Everything not named stays replicated. For a transformer block (attention and MLP regions,
+q/k/v and w1/w3 colwise, wo and w2 rowwise): 2 all-reduces forward and 2 backward per block.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..mesh import ParallelMesh
 from .layers import VocabParallelEmbedding
 from .mappings import copy_to_tp, gather_from_sp, reduce_from_tp, reduce_scatter_to_tp
 
-COL, ROW = "colwise", "rowwise"
-# module path inside a block -> how its weight is split; the parent module is the region.
-BLOCK_PLAN: dict[str, dict[str, str]] = {
-    "attn": {"wq": COL, "wk": COL, "wv": COL, "wo": ROW},
-    "mlp": {"w1": COL, "w3": COL, "w2": ROW},
-}
+STYLES = ("region", "colwise", "rowwise", "vocab_embedding", "vocab_head")
 
 
 @dataclass(frozen=True)
@@ -53,19 +57,63 @@ class ShardSpec:
         return tuple(s)
 
 
-def _shard_weight(module: nn.Module, dim: int, tp: int) -> None:
-    shape = list(module.weight.shape)
+def _shard(module: nn.Module, name: str, dim: int, tp: int) -> None:
+    t = getattr(module, name)
+    shape = list(t.shape)
     shape[dim] //= tp
-    module.weight = nn.Parameter(torch.empty(shape, device=module.weight.device,
-                                             dtype=module.weight.dtype))
-    if isinstance(module, nn.Linear):
-        module.out_features, module.in_features = shape
+    setattr(module, name, nn.Parameter(torch.empty(shape, device=t.device, dtype=t.dtype)))
 
 
-def apply_tp(model: nn.Module, mesh: ParallelMesh, *, sequence_parallel: bool = False) -> dict[str, int]:
-    """Shard ``model`` (a pipeline stage, usually on the meta device) over mesh's tp group.
+def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, new)
 
-    With ``sequence_parallel`` (Megatron-SP) the activations outside attention/MLP (norms,
+
+def style_of(plan: dict[str, str], name: str) -> list[str]:
+    return [style for pattern, style in plan.items() if fnmatchcase(name, pattern)]
+
+
+def check_plan(model: nn.Module, plan: dict[str, str], tp: int, *, where: str = "model") -> None:
+    """Before anything is built: every pattern names a module of the right kind whose split
+    dimension ``tp`` divides. Raises ValueError naming the pattern or module."""
+    modules = dict(model.named_modules())
+    for pattern, style in plan.items():
+        if style not in STYLES:
+            raise ValueError(f"tp_plan of {where}: style {style!r} for {pattern!r} is unknown; "
+                             f"valid: {', '.join(STYLES)}")
+        names = [n for n in modules if n and fnmatchcase(n, pattern)]
+        if not names:
+            raise ValueError(f"tp_plan of {where}: {pattern!r} names no module; "
+                             f"modules are e.g. {', '.join(list(modules)[1:6])}")
+        for n in names:
+            m = modules[n]
+            kind = nn.Embedding if style == "vocab_embedding" else nn.Linear
+            if style != "region" and not isinstance(m, kind):
+                raise ValueError(f"tp_plan of {where}: {n} is a {type(m).__name__}, "
+                                 f"style {style!r} needs an nn.{kind.__name__}")
+            if style in ("colwise", "vocab_head", "vocab_embedding"):
+                size, what = m.weight.shape[0], "output features" if style == "colwise" else "rows"
+            elif style == "rowwise":
+                size, what = m.weight.shape[1], "input features"
+            else:
+                continue
+            if size % tp:
+                valid = ", ".join(str(d) for d in range(1, size + 1) if size % d == 0 and d <= 64)
+                raise ValueError(f"parallel.tp={tp} must divide the {size} {what} of {n} "
+                                 f"({style}); valid tp: {valid}")
+
+
+def _row_forward(lin: nn.Linear, leave, x: torch.Tensor) -> torch.Tensor:
+    y = leave(F.linear(x, lin.weight))
+    return y if lin.bias is None else y + lin.bias
+
+
+def apply_tp(model: nn.Module, mesh: ParallelMesh, plan: dict[str, str], *,
+             sequence_parallel: bool = False) -> dict[str, int]:
+    """Shard ``model`` (a pipeline stage, usually on the meta device) over mesh's tp group by
+    ``plan``.
+
+    With ``sequence_parallel`` (Megatron-SP) the activations outside the regions (norms,
     residual stream, pipeline sends) are split along the sequence (dim 1): each region starts
     with an all-gather of the sequence (backward: reduce-scatter) and each row-parallel output
     is reduce-scattered instead of all-reduced; same bytes, 1/tp of the norm activations.
@@ -76,34 +124,31 @@ def apply_tp(model: nn.Module, mesh: ParallelMesh, *, sequence_parallel: bool = 
         return {}
     if sequence_parallel:
         enter = lambda m, args: (gather_from_sp(args[0], group, 1), *args[1:])  # noqa: E731
-        leave = lambda m, args, out: reduce_scatter_to_tp(out, group, 1)  # noqa: E731
+        leave = functools.partial(reduce_scatter_to_tp, group=group, dim=1)
     else:
         enter = lambda m, args: (copy_to_tp(args[0], group), *args[1:])  # noqa: E731
-        leave = lambda m, args, out: reduce_from_tp(out, group)  # noqa: E731
+        leave = functools.partial(reduce_from_tp, group=group)
     split: dict[str, int] = {}
-    for lid, block in model.layers.items():
-        for region_name, plan in BLOCK_PLAN.items():
-            region = getattr(block, region_name)
-            region.register_forward_pre_hook(enter)
-            for lin_name, style in plan.items():
-                lin = getattr(region, lin_name)
-                dim = 0 if style == COL else 1
-                _shard_weight(lin, dim, tp)
-                split[f"layers.{lid}.{region_name}.{lin_name}.weight"] = dim
-                if style == ROW:
-                    lin.register_forward_hook(leave)
-    tied = model.cfg.tie_embeddings
-    rows = model.cfg.vocab_size // tp
-    if model.tok_emb is not None:
-        old = model.tok_emb.weight
-        w = nn.Parameter(torch.empty(rows, old.size(1), device=old.device, dtype=old.dtype))
-        model.tok_emb = VocabParallelEmbedding(w, r * rows, group, sequence_parallel=sequence_parallel)
-        split["tok_emb.weight"] = 0
-    if model.lm_head is not None:
-        if tied and model.tok_emb is not None:
-            model.lm_head.weight = model.tok_emb.weight
-        else:
-            _shard_weight(model.lm_head, 0, tp)
-            split["lm_head.weight"] = 0
-        model.lm_head.register_forward_pre_hook(enter)
+    for name, module in list(model.named_modules()):
+        for style in style_of(plan, name):
+            if style in ("region", "vocab_head"):
+                module.register_forward_pre_hook(enter)
+            if style in ("colwise", "vocab_head"):
+                for pname in ("weight", "bias"):
+                    if getattr(module, pname, None) is not None:
+                        _shard(module, pname, 0, tp)
+                        split[f"{name}.{pname}"] = 0
+                module.out_features = module.weight.shape[0]
+            elif style == "rowwise":
+                _shard(module, "weight", 1, tp)
+                split[f"{name}.weight"] = 1
+                module.in_features = module.weight.shape[1]
+                module.forward = functools.partial(_row_forward, module, leave)
+            elif style == "vocab_embedding":
+                old = module.weight
+                rows = old.shape[0] // tp
+                w = nn.Parameter(torch.empty(rows, old.shape[1], device=old.device, dtype=old.dtype))
+                _set_module(model, name, VocabParallelEmbedding(
+                    w, r * rows, group, sequence_parallel=sequence_parallel))
+                split[f"{name}.weight"] = 0
     return split

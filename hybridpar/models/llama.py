@@ -1,0 +1,54 @@
+"""The built-in Llama as a ``ModelSpec``: the only place that names its modules for the engine."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..config import ModelConfig
+from ..model import Transformer
+from ..tb import flops_per_token
+from .spec import CROSS_ENTROPY, ModelSpec
+
+# Megatron's plan per block: q, k, v, w1, w3 split by output features (heads / hidden units),
+# wo and w2 by input features with one all-reduce each; attn and mlp are the regions whose
+# input is copied to the tp group. Embedding and head are split by vocabulary rows.
+TP_PLAN = {
+    "tok_emb": "vocab_embedding",
+    "layers.*.attn": "region", "layers.*.mlp": "region",
+    "layers.*.attn.w[qkv]": "colwise", "layers.*.attn.wo": "rowwise",
+    "layers.*.mlp.w[13]": "colwise", "layers.*.mlp.w2": "rowwise",
+    "lm_head": "vocab_head",
+}
+
+
+def init_std(cfg: ModelConfig, name: str) -> float | None:
+    """Initialisation of a parameter by name: None = ones (norms), else normal(0, std).
+
+    Output projections of each residual branch are scaled by 1/sqrt(2 n_layers) (GPT-2)."""
+    if name.endswith("norm.weight"):
+        return None
+    if name.endswith(("attn.wo.weight", "mlp.w2.weight")):
+        return cfg.init_std / math.sqrt(2 * cfg.n_layers)
+    return cfg.init_std
+
+
+def llama_spec(cfg: ModelConfig) -> ModelSpec:
+    def init(name: str, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
+        std = init_std(cfg, name)
+        return torch.ones(shape) if std is None else torch.empty(shape).normal_(0.0, std, generator=g)
+
+    return ModelSpec(
+        name="llama",
+        build=lambda: Transformer(cfg),
+        stem=("tok_emb",),
+        blocks=tuple(f"layers.{i}" for i in range(cfg.n_layers)),
+        head=("norm", "lm_head"),
+        loss=CROSS_ENTROPY,
+        tp_plan=TP_PLAN,
+        tied=(("tok_emb.weight", "lm_head.weight"),) if cfg.tie_embeddings else (),
+        init=init,
+        selective_recompute=("layers.*.attn:core",),
+        check=None,  # tp vs heads/d_ff/vocab: config.validate, before any process starts
+        flops_per_sample=flops_per_token(cfg) * cfg.seq_len,
+    )
