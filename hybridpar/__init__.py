@@ -7,14 +7,18 @@ from . import train as _train_module  # noqa: E402,F401
 __version__ = "0.1.0"
 
 
-def train(config: Config | None = None) -> dict | None:
+def train(config: Config | None = None, *, model=None):
     """Train with ``config`` (defaults if None), spawning dp*tp*pp local ranks unless already
-    inside a torchrun job; returns rank 0's last-step metrics."""
-    from .cli import run_train
+    inside a torchrun job. ``model``: your own model, as a ``ModelSpec``-returning function
+    ``(ModelConfig) -> ModelSpec`` defined at module level, or ``"package.module:attr"``
+    (the ranks import it; default: ``config.model``). Returns rank 0's last-step metrics (a
+    dict) with ``.history`` (every step's metrics) and ``.checkpoint``."""
+    from .cli import check_model, run_train
 
     config = config or Config()
     validate(config)
-    return run_train(config)
+    check_model(config, model)  # one clear error here, not one per spawned rank
+    return run_train(config, model=model)
 
 
 __all__ = ["Config", "ConfigError", "load_config", "validate", "train", "__version__"]

@@ -59,7 +59,7 @@ def parse_train_args(argv: list[str]) -> Config:
 def check_inputs(cfg: Config):
     """User errors a worker would otherwise hit (data, output folders, device, injected-fault
     spec), as ConfigError/DataError before any process starts; returns the dataset."""
-    from .data import load_dataset
+    from .data import load_data
     from .errors import FAULT_ENV, parse_faults
 
     t = cfg.train
@@ -74,17 +74,51 @@ def check_inputs(cfg: Config):
         parse_faults(os.environ.get(FAULT_ENV, ""))
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    return load_dataset(cfg.data.path or None, seq_len=cfg.model.seq_len,
-                        val_fraction=cfg.data.val_fraction)
+    spec = check_model(cfg)
+    return load_data(cfg, spec)
 
 
-def _train_worker(cfg: Config, dataset=None) -> dict | None:
+def check_model(cfg: Config, model=None):
+    """The model spec loads, its tensor-parallel plan names real modules whose split tp
+    divides, and every pipeline stage gets a block: before any process starts (a meta build)."""
+    import torch
+
+    from .models import resolve, spec_for
+    from .tensor_parallel.apply import check_plan
+
+    spec = resolve(model, cfg.model) if model is not None else spec_for(cfg.model)
+    p = cfg.parallel
+    if p.pp * p.virtual_stages > len(spec.blocks):
+        raise ConfigError(f"pp*virtual_stages = {p.pp}*{p.virtual_stages} exceeds the "
+                          f"{len(spec.blocks)} blocks of model {spec.name!r}")
+    if spec.check is not None:
+        spec.check(p.tp)
+    with torch.device("meta"):
+        module = spec.build()
+    try:
+        check_plan(module, dict(spec.tp_plan), p.tp, where=spec.name)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return spec
+
+
+class RunResult(dict):
+    """Rank 0's last-step metrics (a dict, as before), with ``history`` (every step's metrics)
+    and ``checkpoint`` (the checkpoint folder, or None) for notebook users."""
+
+    history: list
+    checkpoint: str | None
+
+
+def _train_worker(cfg: Config, dataset=None, model=None) -> RunResult | None:
     from .launch import setup, teardown
+    from .models import resolve
     from .train import train
 
     try:
-        mesh = setup(cfg)
-        history = train(cfg, mesh, dataset=dataset)
+        spec = resolve(model, cfg.model) if model is not None else None
+        mesh = setup(cfg, spec=spec)
+        history = train(cfg, mesh, dataset=dataset, spec=spec)
         teardown()  # not on failure: closing our connections first would make the healthy ranks
         # fail with "connection closed" before the launcher has seen this rank's error
     except Exception as e:
@@ -96,10 +130,14 @@ def _train_worker(cfg: Config, dataset=None) -> dict | None:
                   file=sys.stderr, end="", flush=True)
             e.hybridpar_reported = "printed"
         raise
-    return history[-1] if history and mesh.rank == 0 else None
+    if not history or mesh.rank != 0:
+        return None
+    result = RunResult(history[-1])
+    result.history, result.checkpoint = history, cfg.checkpoint.dir or None
+    return result
 
 
-def run_train(cfg: Config, dataset=None) -> dict | None:
+def run_train(cfg: Config, dataset=None, model=None) -> RunResult | None:
     """Join the torchrun job we are in, or spawn dp*tp*pp local ranks (a failed rank becomes
     JobFailed naming it; its own traceback or watchdog report is printed above)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -107,10 +145,10 @@ def run_train(cfg: Config, dataset=None) -> dict | None:
     from .launch import describe_failure, spawn, under_launcher
 
     if under_launcher() or cfg.parallel.world_size == 1:
-        return _train_worker(cfg, dataset)
+        return _train_worker(cfg, dataset, model)
     validate(cfg)  # the spawned ranks load the data themselves: ``dataset`` is not pickled over
     try:
-        return spawn(_train_worker, cfg.parallel.world_size, cfg).get(0)
+        return spawn(_train_worker, cfg.parallel.world_size, cfg, None, model).get(0)
     except ChildFailedError as e:
         from .errors import JobFailed
         from .launch import USER_ERRORS
@@ -148,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
             last = run_train(cfg, dataset)
             if last:
                 print(f"done: step {last['step']} loss {last['loss']:.4f}"
-                      + (f" val_loss {last['val_loss']:.4f}" if "val_loss" in last else ""))
+                      + (f" val_loss {last['val_loss']:.4f}" if "val_loss" in last else "")
+                      + (f" val_accuracy {last['val_accuracy']:.4f}" if "val_accuracy" in last else ""))
             return 0
         if cmd in WEIGHT_COMMANDS:
             return WEIGHT_COMMANDS[cmd][0](rest)

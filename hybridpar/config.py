@@ -29,6 +29,10 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
 
 @dataclass(frozen=True)
 class ModelConfig:
+    name: str = _f("llama", "built-in model: llama (byte-level text), vit (images: digits)",
+                   choices=("llama", "vit"))
+    spec: str = _f("", "your own model: 'package.module:attr', a ModelSpec or a function "
+                       "(ModelConfig) -> ModelSpec; overrides model.name")
     n_layers: int = _f(6, "number of transformer blocks")
     d_model: int = _f(256, "hidden size")
     n_heads: int = _f(8, "attention (query) heads")
@@ -40,6 +44,10 @@ class ModelConfig:
     rope_theta: float = _f(10000.0, "rotary embedding base")
     norm_eps: float = _f(1e-5, "RMSNorm epsilon")
     init_std: float = _f(0.02, "std of the normal initialisation")
+    image_size: int = _f(8, "vit: image height and width in pixels (digits: 8)")
+    patch_size: int = _f(2, "vit: patch height and width; (image_size/patch_size)^2 patches")
+    channels: int = _f(1, "vit: image channels")
+    n_classes: int = _f(10, "vit: classes of the classifier head")
     init_from: str = _f("", "initialise the weights from this instead of randomly: a Hugging Face Llama folder "
                             "(config.json + safetensors), a `hybridpar import-hf` folder, or a .safetensors/.pt "
                             "file of full tensors under our names; model fields must match it")
@@ -283,6 +291,33 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if m.d_model % m.n_heads:
         raise ConfigError(f"model.n_heads={m.n_heads} must divide model.d_model={m.d_model}; "
                           f"valid n_heads: {', '.join(map(str, _divisors(m.d_model)))}")
+    if m.spec:
+        pass  # a user's model: its spec is checked when it is loaded (before any process starts)
+    elif m.name == "vit":
+        _validate_vit(m, p)
+    else:
+        _validate_llama(m, p)
+    if not m.spec and p.pp > m.n_layers:
+        raise ConfigError(f"parallel.pp={p.pp} exceeds model.n_layers={m.n_layers}; "
+                          f"each stage needs at least one layer (pp <= {m.n_layers})")
+    _validate_rest(cfg, world_size)
+
+
+def _validate_vit(m: ModelConfig, p: ParallelConfig) -> None:
+    if m.image_size % m.patch_size:
+        raise ConfigError(f"model.patch_size={m.patch_size} must divide model.image_size="
+                          f"{m.image_size}; valid: {', '.join(map(str, _divisors(m.image_size)))}")
+    for name, size in (("n_heads", m.n_heads), ("d_ff", m.d_ff)):
+        if size % p.tp:
+            valid = [d for d in _divisors(m.n_heads) if m.d_ff % d == 0]
+            raise ConfigError(f"parallel.tp={p.tp} must divide model.{name}={size}; "
+                              f"valid tp: {', '.join(map(str, valid))}")
+    if p.sequence_parallel and p.tp > 1 and ((m.image_size // m.patch_size) ** 2 + 1) % p.tp:
+        raise ConfigError(f"parallel.sequence_parallel splits the {(m.image_size // m.patch_size) ** 2 + 1} "
+                          f"tokens (patches + class token) over tp={p.tp}, which must divide them")
+
+
+def _validate_llama(m: ModelConfig, p: ParallelConfig) -> None:
     if m.head_dim % 2:
         raise ConfigError(f"head_dim = d_model/n_heads = {m.head_dim} must be even for rotary embeddings")
     if m.n_heads % m.n_kv_heads:
@@ -295,9 +330,10 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                      and m.vocab_size % d == 0]
             raise ConfigError(f"parallel.tp={p.tp} must divide model.{name}={size}; "
                               f"valid tp: {', '.join(map(str, valid))}")
-    if p.pp > m.n_layers:
-        raise ConfigError(f"parallel.pp={p.pp} exceeds model.n_layers={m.n_layers}; "
-                          f"each stage needs at least one layer (pp <= {m.n_layers})")
+
+
+def _validate_rest(cfg: Config, world_size: int | None) -> None:
+    m, p, t = cfg.model, cfg.parallel, cfg.train
     if p.pp_split:
         try:
             split = pp_split(m.n_layers, p.pp, p.pp_split)
@@ -322,7 +358,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                               f"for the interleaved schedule")
         if p.pp_split:
             raise ConfigError("parallel.pp_split is not supported with virtual_stages > 1")
-    if p.sequence_parallel and m.seq_len % p.tp:
+    if p.sequence_parallel and m.name == "llama" and not m.spec and m.seq_len % p.tp:
         raise ConfigError(f"parallel.sequence_parallel needs tp={p.tp} to divide model.seq_len={m.seq_len}")
     axes = p.order.split("-")
     if sorted(axes) != ["dp", "pp", "tp"]:

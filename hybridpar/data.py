@@ -39,6 +39,12 @@ class Dataset:
     """Where the tokens came from: the user path, or the stdlib folder."""
     n_files: int
 
+    def batch(self, split: str, step: int, *, seed: int, global_batch_size: int,
+              seq_len: int) -> "Batch":
+        """The whole batch of ``step`` of ``split`` ("train" or "val"): (inputs, targets)."""
+        return global_batch(getattr(self, split), step, seed=seed,
+                            global_batch_size=global_batch_size, seq_len=seq_len)
+
     def describe(self) -> str:
         n = len(self.train) + len(self.val)
         return (f"{self.source}: {self.n_files:,} files, {n:,} tokens "
@@ -263,3 +269,16 @@ def val_batches(dataset: Dataset, *, n_batches: int, batch_size: int, seq_len: i
                         f"seq_len={seq_len} needs {seq_len + 1:,}")
     offsets = np.linspace(0, last, num=n_windows).round().astype(np.int64)
     return [_windows(dataset.val, chunk, seq_len) for chunk in np.split(offsets, n_batches)]
+
+
+def load_data(cfg, spec):
+    """The data ``spec`` trains on: token streams from ``data.path`` (or the stdlib corpus) for
+    text models, the embedded digits for image classifiers."""
+    if spec.data == "digits":
+        if cfg.data.path:
+            raise DataError(f"data.path={cfg.data.path!r}: model {spec.name!r} trains on the "
+                            f"embedded digits images; data.path is for text models")
+        from .image_data import digits
+        return digits(val_fraction=cfg.data.val_fraction)
+    return load_dataset(cfg.data.path or None, seq_len=cfg.model.seq_len,
+                        val_fraction=cfg.data.val_fraction)

@@ -52,8 +52,9 @@ def set_threads(cfg: Config) -> None:
     torch.set_num_threads(n)
 
 
-def setup(cfg: Config, *, timeout_s: float = 600.0) -> ParallelMesh:
-    """Validate on every rank, then create the process group and the mesh."""
+def setup(cfg: Config, *, spec=None, timeout_s: float = 600.0) -> ParallelMesh:
+    """Validate on every rank, then create the process group and the mesh (with the group that
+    sums tied parameters across the first and last stage when the model ``spec`` ties any)."""
     world = int(os.environ.get("WORLD_SIZE", "1")) if under_launcher() else 1
     validate(cfg, world_size=world)
     set_threads(cfg)
@@ -68,7 +69,9 @@ def setup(cfg: Config, *, timeout_s: float = 600.0) -> ParallelMesh:
             dist.init_process_group(backend, timeout=timeout, **_attempt_store())
         else:
             dist.init_process_group(backend, timeout=timeout)
-    return build_mesh(layout, device, embed_group=cfg.model.tie_embeddings)
+    from .models import spec_for
+    tied = bool((spec or spec_for(cfg.model)).tied)
+    return build_mesh(layout, device, embed_group=tied)
 
 
 def _attempt_store() -> dict:

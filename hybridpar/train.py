@@ -24,7 +24,7 @@ from .errors import NonFiniteError, faults_for, inject
 from .memory import ActivationMeter, peak_memory_bytes, state_bytes
 from .mesh import ParallelMesh
 from .parallelize import ParallelModel, build_optimizer, parallelize
-from .models import ModelSpec
+from .models import ModelSpec, spec_for
 from .pipeline.boundaries import infer_boundaries
 from .pipeline.runtime import PipelineRunner
 from .pipeline.schedules import build as build_schedule, forward_only
@@ -69,11 +69,11 @@ def _per_rank(value: float, mesh: ParallelMesh, what: str) -> list[float]:
     return t.tolist()
 
 
-def _local_rows(step: int, cfg: Config, mesh: ParallelMesh, tokens):
+def _local_rows(step: int, cfg: Config, mesh: ParallelMesh, dataset, split: str = "train"):
     """This dp rank's rows of the layout-independent global batch, cut into micro-batches."""
     t = cfg.train
-    batch = data_mod.global_batch(tokens, step, seed=t.seed, global_batch_size=t.global_batch,
-                                  seq_len=cfg.model.seq_len)
+    batch = dataset.batch(split, step, seed=t.seed, global_batch_size=t.global_batch,
+                          seq_len=cfg.model.seq_len)
     mbs = data_mod.microbatches(data_mod.shard_rows(batch, mesh.dp_rank, mesh.layout.dp),
                                 cfg.parallel.microbatches)
     return [x.to(mesh.device) for x, _ in mbs], [y.to(mesh.device) for _, y in mbs]
@@ -85,8 +85,8 @@ class Trainer:
     def __init__(self, cfg: Config, mesh: ParallelMesh, dataset=None, *,
                  spec: ModelSpec | None = None):
         self.cfg, self.mesh = cfg, mesh
-        self.dataset = dataset if dataset is not None else data_mod.load_dataset(
-            cfg.data.path or None, seq_len=cfg.model.seq_len, val_fraction=cfg.data.val_fraction)
+        spec = spec or spec_for(cfg.model)
+        self.dataset = dataset if dataset is not None else data_mod.load_data(cfg, spec)
         self.pm = parallelize(cfg, mesh, spec=spec)
         self.opt = build_optimizer(self.pm, cfg)
         p = cfg.parallel
@@ -99,11 +99,12 @@ class Trainer:
         check_schedule(eval_lists, P, v, backward=False, what="evaluation schedule")
         self.actions, self.eval_actions = train_lists[mesh.pp_rank], eval_lists[mesh.pp_rank]
         # what crosses each pipeline boundary, from a meta-device forward of one micro-batch
-        example = _local_rows(0, cfg, mesh, self.dataset.train)[0][0]
+        example = _local_rows(0, cfg, mesh, self.dataset)[0][0]
         boundaries = infer_boundaries(self.pm.spec.build, self.pm.stage_units, example,
                                       seq_shards=p.tp if p.sequence_parallel else 1)
         self.scaler = LossScaler() if cfg.train.precision == "fp16" else None
-        self.runner = PipelineRunner(self.pm.chunks, mesh, p.microbatches, boundaries, self._loss)
+        self.runner = PipelineRunner(self.pm.chunks, mesh, p.microbatches, boundaries, self._loss,
+                                     eval_fn=spec.eval_metric)
         self.meter = ActivationMeter(self.pm.module.parameters())
         self.runner.meter = self.meter
         self.step = 0
@@ -122,7 +123,7 @@ class Trainer:
         t0 = time.perf_counter()
         activity.begin_step(self.step + 1)
         activity.mark("data")
-        xs, ys = _local_rows(self.step, cfg, mesh, self.dataset.train)
+        xs, ys = _local_rows(self.step, cfg, mesh, self.dataset)
         pm.grad_sync.zero_grad()
         self.meter.reset()
         st = self.runner.run(self.actions, xs, ys)
@@ -227,18 +228,25 @@ class Trainer:
         return False
 
     @torch.no_grad()
-    def evaluate(self) -> float:
+    def evaluate(self) -> dict:
+        """Validation loss (and the spec's eval metric, e.g. accuracy) over ``eval_batches``
+        global batches of the held-out split, by the forward-only schedule."""
         cfg, mesh = self.cfg, self.mesh
-        total = 0.0
+        total, metric = 0.0, [0.0, 0.0]
         n = cfg.train.eval_batches
         for i in range(n):
-            xs, ys = _local_rows(i, cfg, mesh, self.dataset.val)
+            xs, ys = _local_rows(i, cfg, mesh, self.dataset, "val")
             st = self.runner.run(self.eval_actions, xs, ys)
             if self.pm.is_last and mesh.tp_rank == 0:
                 total += sum(v.item() for v in st.losses.values())
+                for m in st.metrics.values():
+                    metric = [metric[0] + m[0].item(), metric[1] + m[1].item()]
         activity.mark("eval all-reduce", comm=True)
-        (total,) = _all_reduce_scalars([total], mesh)
-        return total / (n * mesh.layout.dp)
+        total, correct, count = _all_reduce_scalars([total, *metric], mesh)
+        out = {"val_loss": total / (n * mesh.layout.dp)}
+        if self.runner.eval_fn is not None and count:
+            out["val_accuracy"] = correct / count
+        return out
 
 
 def train(cfg: Config, mesh: ParallelMesh, *, dataset=None, callbacks: Callbacks | None = None,
@@ -266,7 +274,7 @@ def train(cfg: Config, mesh: ParallelMesh, *, dataset=None, callbacks: Callbacks
             activity.mark("metrics and logging")
             last = trainer.step == t.steps
             if t.eval_every and (trainer.step % t.eval_every == 0 or last):
-                m["val_loss"] = trainer.evaluate()
+                m.update(trainer.evaluate())
             m.update(tb.throughput(m, cfg))
             if not math.isfinite(m["loss"]) and is_rank0:
                 log.warning(f"step {m['step']}: loss is {m['loss']}")

@@ -21,7 +21,11 @@ engine. A ``ModelSpec`` describes it as data:
 * ``selective_recompute``: ``"pattern:method"`` entries whose method's activations are
   recomputed in backward under ``recompute=selective`` (``full`` recomputes whole blocks);
 * ``check(tp)``: model-specific validation of a tensor-parallel degree (e.g. "tp must divide
-  n_heads"); ``flops_per_sample``: forward+backward FLOPs of one sample (MFU).
+  n_heads"); ``flops_per_sample``: forward+backward FLOPs of one sample (MFU);
+* ``data``: the embedded data it trains on by default (``"text"``: byte tokens, or
+  ``"digits"``: scikit-learn's 8x8 digit images with labels);
+* ``eval_metric(output, targets)``: a tensor of (correct, count) per micro-batch, summed over
+  the validation set into ``val_accuracy``.
 """
 from __future__ import annotations
 
@@ -50,6 +54,8 @@ class ModelSpec:
     selective_recompute: tuple[str, ...] = ()
     check: Callable[[int], None] | None = None
     flops_per_sample: float | None = None
+    data: str = "text"
+    eval_metric: Callable[[object, torch.Tensor], torch.Tensor] | None = None
 
     def __post_init__(self):
         if not self.blocks:

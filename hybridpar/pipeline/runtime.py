@@ -28,6 +28,7 @@ class StepState:
     outputs: dict = field(default_factory=dict)     # stage outputs, or the loss on the last stage
     grads_in: dict = field(default_factory=dict)    # received output gradients: tuples
     losses: dict = field(default_factory=dict)      # last stage: detached per-mb loss
+    metrics: dict = field(default_factory=dict)     # last stage, evaluation: per-mb eval_fn
     max_in_flight: int = 0
 
 
@@ -42,6 +43,7 @@ class PipelineRunner:
     n_microbatches: int
     boundaries: list[Boundary]
     loss_fn: Callable
+    eval_fn: Callable | None = None  # (output, targets) -> metric tensor, in evaluation only
     on_action: Callable | None = None  # (action, t_start, t_end) for tracing
     meter: object | None = None  # memory.ActivationMeter
 
@@ -92,6 +94,8 @@ class PipelineRunner:
             with self.meter.forward(key):
                 out = chunk(*x)
         if self._is_last(a.chunk):
+            if self.eval_fn is not None and not torch.is_grad_enabled():
+                st.metrics[a.mb] = self.eval_fn(out, targets[a.mb])
             loss = self.loss_fn(out, targets[a.mb]) / self.n_microbatches
             st.losses[a.mb] = loss.detach()
             out = loss

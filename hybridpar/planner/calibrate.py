@@ -119,14 +119,14 @@ def overheads() -> dict[str, float]:
     import torch
 
     from ..config import ModelConfig
-    from ..model import Block, rope_tables
+    from ..model import Block, Rotary
     from ..testing import tiny_dataset
 
     torch.set_num_threads(1)
     tiny = ModelConfig(n_layers=1, d_model=16, n_heads=2, n_kv_heads=1, d_ff=32, seq_len=8)
-    block, (cos, sin) = Block(tiny), rope_tables(8, tiny.head_dim, tiny.rope_theta)
+    block = Block(tiny, Rotary(tiny.head_dim, tiny.rope_theta))
     x = torch.randn(1, 8, 16, requires_grad=True)
-    bare = _timeit(lambda: block(x, cos, sin).sum().backward(), min_s=0.2)
+    bare = _timeit(lambda: block(x).sum().backward(), min_s=0.2)
     data = tiny_dataset()
 
     t = {(L, M): _median_step(replace(tiny, n_layers=L), mb=1, microbatches=M, threads=1, data=data,
@@ -156,17 +156,17 @@ def _block_loop(seconds: float, start, out) -> None:
     import torch
 
     from ..config import ModelConfig
-    from ..model import Block, rope_tables
+    from ..model import Block, Rotary
 
     torch.set_num_threads(1)
     m = ModelConfig()
-    block, (cos, sin) = Block(m), rope_tables(m.seq_len, m.head_dim, m.rope_theta)
+    block = Block(m, Rotary(m.head_dim, m.rope_theta))
     x = torch.randn(4, m.seq_len, m.d_model, requires_grad=True)
-    block(x, cos, sin).sum().backward()
+    block(x).sum().backward()
     start.wait()
     n, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
-        block(x, cos, sin).sum().backward()
+        block(x).sum().backward()
         n += 1
     out.put((time.perf_counter() - t0) / n)
 
