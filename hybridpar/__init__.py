@@ -16,6 +16,10 @@ def train(config: Config | None = None, *, model=None):
     from .cli import check_model, run_train
 
     config = config or Config()
+    if model is not None and not config.model.spec:  # validate as a user model, not as Llama
+        import dataclasses
+        name = model if isinstance(model, str) else f"{model.__module__}:{model.__qualname__}"             if hasattr(model, "__qualname__") else "user model"
+        config = dataclasses.replace(config, model=dataclasses.replace(config.model, spec=name))
     validate(config)
     check_model(config, model)  # one clear error here, not one per spawned rank
     return run_train(config, model=model)

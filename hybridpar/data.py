@@ -274,6 +274,8 @@ def val_batches(dataset: Dataset, *, n_batches: int, batch_size: int, seq_len: i
 def load_data(cfg, spec):
     """The data ``spec`` trains on: token streams from ``data.path`` (or the stdlib corpus) for
     text models, the embedded digits for image classifiers."""
+    if callable(spec.data):  # the user's own data: a function of the config
+        return spec.data(cfg)
     if spec.data == "digits":
         if cfg.data.path:
             raise DataError(f"data.path={cfg.data.path!r}: model {spec.name!r} trains on the "

@@ -35,9 +35,13 @@ def flops_per_token(m: ModelConfig) -> float:
     return 6.0 * matmul_params(m) + 12.0 * m.n_layers * m.n_heads * m.head_dim * m.seq_len
 
 
-def throughput(metrics: dict, cfg: Config) -> dict:
-    """Model TFLOP/s per device and, when the device peak is known, MFU (a fraction)."""
-    per_device = metrics["tokens_per_s"] * flops_per_token(cfg.model) / cfg.parallel.world_size / 1e12
+def throughput(metrics: dict, cfg: Config, flops_per_sample: float | None = None) -> dict:
+    """Model TFLOP/s per device and, when the device peak is known, MFU (a fraction), from the
+    model spec's FLOPs per sample (default: the Llama's per token x seq_len)."""
+    if flops_per_sample is None:
+        flops_per_sample = flops_per_token(cfg.model) * cfg.model.seq_len
+    samples_per_s = metrics["tokens_per_s"] / cfg.model.seq_len
+    per_device = samples_per_s * flops_per_sample / cfg.parallel.world_size / 1e12
     out = {"tflops_per_device": per_device}
     if cfg.train.peak_tflops > 0:
         out["mfu"] = per_device / cfg.train.peak_tflops

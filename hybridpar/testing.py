@@ -87,6 +87,16 @@ def injected(bug: str | None):
         import torch.nn.functional as F
         target, name = tp_apply, "_row_forward"
         new = lambda lin, leave, x: leave(F.linear(x, lin.weight, lin.bias))  # noqa: E731
+    elif bug == "swap_boundary_tuple":  # a stage sends its tuple's elements in swapped order
+        target, name = PipelineRunner, "_comm"
+        orig_comm = PipelineRunner._comm
+
+        def new(self, batch, st):
+            for a in batch:
+                out = st.outputs.get((a.chunk, a.mb)) if a.op.name == "SEND_F" else None
+                if isinstance(out, tuple) and len(out) == 2:
+                    st.outputs[(a.chunk, a.mb)] = out[::-1]
+            return orig_comm(self, batch, st)
     elif bug == "sum_not_average_dp":  # dp gradients summed, not averaged
         target, name = GradSync, "finish"
         orig = GradSync.finish

@@ -175,6 +175,7 @@ class Trainer:
         return {"step": self.step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
                 "step_time_s": dt, "skipped": not update, **self._rank_times(),
                 "tokens_per_s": cfg.train.global_batch * cfg.model.seq_len / dt,
+                "samples_per_s": cfg.train.global_batch / dt,
                 "max_mem_bytes": peak_memory_bytes(mesh.device),
                 "mem": {**state_bytes(list(pm.module.parameters()),
                                       [b.grad for b in pm.grad_sync.buckets], self.opt),
@@ -275,7 +276,7 @@ def train(cfg: Config, mesh: ParallelMesh, *, dataset=None, callbacks: Callbacks
             last = trainer.step == t.steps
             if t.eval_every and (trainer.step % t.eval_every == 0 or last):
                 m.update(trainer.evaluate())
-            m.update(tb.throughput(m, cfg))
+            m.update(tb.throughput(m, cfg, trainer.pm.spec.flops_per_sample))
             if not math.isfinite(m["loss"]) and is_rank0:
                 log.warning(f"step {m['step']}: loss is {m['loss']}")
             slow = m.get("straggler", {}).get("rank")

@@ -23,7 +23,9 @@ engine. A ``ModelSpec`` describes it as data:
 * ``check(tp)``: model-specific validation of a tensor-parallel degree (e.g. "tp must divide
   n_heads"); ``flops_per_sample``: forward+backward FLOPs of one sample (MFU);
 * ``data``: the embedded data it trains on by default (``"text"``: byte tokens, or
-  ``"digits"``: scikit-learn's 8x8 digit images with labels);
+  ``"digits"``: scikit-learn's 8x8 digit images with labels), or a module-level function
+  ``(Config) -> dataset`` with a ``batch(split, step, *, seed, global_batch_size, seq_len)``
+  method returning one global batch (inputs, targets) as a pure function of the step;
 * ``eval_metric(output, targets)``: a tensor of (correct, count) per micro-batch, summed over
   the validation set into ``val_accuracy``.
 """
@@ -54,7 +56,7 @@ class ModelSpec:
     selective_recompute: tuple[str, ...] = ()
     check: Callable[[int], None] | None = None
     flops_per_sample: float | None = None
-    data: str = "text"
+    data: str | Callable = "text"
     eval_metric: Callable[[object, torch.Tensor], torch.Tensor] | None = None
 
     def __post_init__(self):
