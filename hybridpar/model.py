@@ -8,7 +8,6 @@ the engine. Layers live in a ModuleDict keyed by their global index so parameter
 """
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn.functional as F
@@ -141,17 +140,6 @@ class Transformer(nn.Module):
         if self.norm is not None:
             h = self.norm(h)
         return self.lm_head(h) if self.lm_head is not None else h
-
-
-def init_std(cfg: ModelConfig, name: str) -> float | None:
-    """Initialisation of a parameter by name: None = ones (norms), else normal(0, std).
-
-    Output projections of each residual branch are scaled by 1/sqrt(2 n_layers) (GPT-2)."""
-    if name.endswith("norm.weight"):
-        return None
-    if name.endswith(("attn.wo.weight", "mlp.w2.weight")):
-        return cfg.init_std / math.sqrt(2 * cfg.n_layers)
-    return cfg.init_std
 
 
 def count_params(cfg: ModelConfig) -> int:

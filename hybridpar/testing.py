@@ -4,7 +4,6 @@ wants to verify their own build (``python -m pytest tests``)."""
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -163,6 +162,26 @@ def cases_worker(cases: list[tuple[str, Config, str | None]], out_dir: str) -> N
             torch.save(result, folder / f"{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def run_cases(cases: dict[str, tuple[Config, str | None]], out_dir: str) -> dict[str, dict]:
+    """Spawn 8 ranks once, run every case ``name -> (config, injected bug)`` on them, and
+    return the merged results by name."""
+    from .launch import spawn
+
+    spawn(cases_worker, 8, [(n, c, b) for n, (c, b) in cases.items()], out_dir)
+    return {name: load_case(out_dir, name) for name in cases}
+
+
+_references: dict = {}
+
+
+def cached_reference(cfg: Config) -> dict:
+    """``reference(cfg)``, computed once per (model, micro-batches, steps) in this process."""
+    key = (cfg.model, cfg.parallel.microbatches, cfg.train)
+    if key not in _references:
+        _references[key] = reference(cfg)
+    return _references[key]
 
 
 def load_case(out_dir: str, name: str) -> dict:

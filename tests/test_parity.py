@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybridpar.launch import spawn
-from hybridpar.testing import (cases_worker, load_case, max_rel_tensor_err, reference, rel_err,
+from hybridpar.testing import (max_rel_tensor_err, run_cases, cached_reference, rel_err,
                                tiny_config)
 
 LAYOUTS = [(8, 1, 1), (4, 2, 1), (4, 1, 2), (2, 2, 2), (2, 4, 1), (2, 1, 4), (1, 2, 4), (1, 4, 2),
@@ -54,19 +53,10 @@ CASES = _cases()
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("parity")
-    spawn(cases_worker, 8, [(n, c, b) for n, (c, b) in CASES.items()], str(out))
-    return {name: load_case(str(out), name) for name in CASES}
+    return run_cases(CASES, str(tmp_path_factory.mktemp("parity")))
 
 
-_refs: dict = {}
-
-
-def ref_for(cfg):
-    key = (cfg.model, cfg.parallel.microbatches)
-    if key not in _refs:
-        _refs[key] = reference(cfg)
-    return _refs[key]
+ref_for = cached_reference
 
 
 def parity_errors(got, ref):
