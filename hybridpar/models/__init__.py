@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 
 from ..config import ConfigError, ModelConfig
 from .spec import CROSS_ENTROPY, ModelSpec
@@ -17,6 +19,8 @@ def resolve(obj, m: ModelConfig) -> ModelSpec:
         module, _, attr = obj.partition(":")
         if not module or not attr:
             raise ConfigError(f"model.spec={obj!r} must be 'package.module:attr'")
+        if os.getcwd() not in sys.path:  # as `python -m` would: the user's package beside them
+            sys.path.insert(0, os.getcwd())
         try:
             obj = getattr(importlib.import_module(module), attr)
         except (ImportError, AttributeError) as e:
