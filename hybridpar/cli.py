@@ -99,6 +99,8 @@ def check_model(cfg: Config, model=None):
         check_plan(module, dict(spec.tp_plan), p.tp, where=spec.name)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    from .parallelize import check_no_buffers
+    check_no_buffers(module, spec)
     return spec
 
 

@@ -138,6 +138,20 @@ def _shared_across_stages(model: nn.Module, spec: ModelSpec, mesh: ParallelMesh)
     return out
 
 
+def check_no_buffers(model: nn.Module, spec: ModelSpec) -> None:
+    """Buffers (BatchNorm running statistics, precomputed tables) would be left uninitialised
+    by the meta-device build, unsynchronised over dp and unsaved in checkpoints: refused in one
+    line rather than trained silently wrong. Compute such tables in forward (as the Llama's
+    rotary cache does) and use LayerNorm/GroupNorm until synchronised BatchNorm lands."""
+    names = [n for n, _ in model.named_buffers()]
+    if names:
+        from .config import ConfigError
+        raise ConfigError(f"model {spec.name!r} has buffers ({', '.join(names[:3])}"
+                          f"{', ...' if len(names) > 3 else ''}), which hybridpar does not "
+                          f"support yet (BatchNorm statistics are not synchronised or saved); "
+                          f"use LayerNorm/GroupNorm, or compute tables in forward")
+
+
 def split_pipeline(model: nn.Module, spec: ModelSpec, pp_rank: int, pp: int,
                    split: list[int]) -> list[list[str]]:
     """Keep only this rank's units; returns the unit names of each of its chunks.
@@ -229,6 +243,7 @@ def parallelize(cfg: Config, mesh: ParallelMesh, *, spec: ModelSpec | None = Non
     with torch.device("meta"):
         model = spec.build()
     check_plan(model, spec.tp_plan, mesh.layout.tp, where=spec.name)
+    check_no_buffers(model, spec)
     full_shapes = {n: tuple(q.shape) for n, q in model.named_parameters(remove_duplicate=False)}
     split = pp_split(len(spec.blocks), mesh.layout.pp * p.virtual_stages, p.pp_split)
     chunk_units = split_pipeline(model, spec, mesh.pp_rank, mesh.layout.pp, split)

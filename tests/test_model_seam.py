@@ -88,3 +88,15 @@ def test_cli_refuses_a_bad_model_in_one_line_before_any_process(args, line):
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(line), r.stderr
+
+
+def test_a_model_with_buffers_is_refused_in_one_line():
+    from hybridpar.config import Config
+    from hybridpar.cli import check_model
+
+    def bn_spec(cfg):
+        return ModelSpec(name="bn-net", build=lambda: nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4)),
+                         stem=(), blocks=("0", "1"), head=())
+    with pytest.raises(ConfigError, match=r"model 'bn-net' has buffers \(1.running_mean, 1.running_var, "
+                                          r"1.num_batches_tracked\), which hybridpar does not support yet"):
+        check_model(Config(), bn_spec)

@@ -119,3 +119,24 @@ def test_example_trains_at_dp2_pp2_through_the_python_api():
     result = hybridpar.train(cfg, model=spec)
     assert len(result.history) == 60 and result["step"] == 60
     assert result["val_accuracy"] > 0.7, result["val_accuracy"]  # 10 classes: chance is 0.1
+
+
+def test_vit_checkpoint_saved_at_2x2x2_resumes_at_other_layouts(tmp_path):
+    """Layout-free checkpoints for a model other than Llama: a ViT saved at (2,2,2) after step 3
+    continues at (4,1,2) and in one process with the losses of the uninterrupted run."""
+    from hybridpar.testing import run_case, test_data
+
+    def cfg(dp, tp, pp, **ck):
+        c = tiny_vit_config(dp=dp, tp=tp, pp=pp)
+        return replace(c, checkpoint=replace(c.checkpoint, **ck))
+
+    saved = str(tmp_path / "ck" / "step_000003")
+    cases = {"save-2x2x2": (cfg(2, 2, 2, dir=str(tmp_path / "ck"), every=3), None),
+             "load-4x1x2": (cfg(4, 1, 2, load=saved), None)}
+    got = run_cases(cases, str(tmp_path / "out"))
+    full = got["save-2x2x2"]["losses"]
+    one = run_case(cfg(1, 1, 1, load=saved), dataset=test_data(cases["save-2x2x2"][0]))["losses"]
+    for name, resumed in (("4x1x2", got["load-4x1x2"]["losses"]), ("1x1x1", one)):
+        assert len(resumed) == 2, (name, resumed)  # steps 4 and 5
+        errs = [rel_err(a, b) for a, b in zip(resumed, full[3:])]
+        assert max(errs) <= LATER_RTOL, (name, errs)
