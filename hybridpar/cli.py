@@ -5,6 +5,7 @@ import argparse
 import difflib
 import os
 import sys
+from pathlib import Path
 
 from .config import Config, ConfigError, describe_fields, load_config, validate
 from .errors import EXIT_FAILED, EXIT_USER, HybridparError
@@ -59,7 +60,7 @@ def parse_train_args(argv: list[str]) -> Config:
 def check_inputs(cfg: Config):
     """User errors a worker would otherwise hit (data, output folders, device, injected-fault
     spec), as ConfigError/DataError before any process starts; returns the dataset."""
-    from .data import load_data
+    from .data import Dataset, check_token_range, load_data
     from .errors import FAULT_ENV, parse_faults
 
     t = cfg.train
@@ -75,7 +76,17 @@ def check_inputs(cfg: Config):
     except ValueError as e:
         raise ConfigError(str(e)) from None
     spec = check_model(cfg)
-    return load_data(cfg, spec)
+    c = cfg.checkpoint
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    if c.resume and not restarted:
+        from .checkpoint import store
+        from .checkpoint.core import resume_problem
+        if not (os.path.isdir(c.dir) and store.latest(Path(c.dir))):
+            raise ConfigError(resume_problem(c.dir))
+    dataset = load_data(cfg, spec)
+    if isinstance(dataset, Dataset):
+        check_token_range(dataset, cfg.model.vocab_size)
+    return dataset
 
 
 def check_model(cfg: Config, model=None):

@@ -24,7 +24,44 @@ class ConfigError(ValueError):
 
 
 def _f(default: Any, help: str, **kw: Any) -> Any:
+    """A field with its help text; ``ge``/``gt``/``le``/``lt`` state a float's valid range
+    (checked by ``validate``, with finiteness, and shown by ``--help``)."""
     return field(default=default, metadata={"help": help, **kw})
+
+
+_BOUNDS = {"ge": (">=", lambda v, b: v >= b), "gt": (">", lambda v, b: v > b),
+           "le": ("<=", lambda v, b: v <= b), "lt": ("<", lambda v, b: v < b)}
+
+
+def _range_text(f) -> str:
+    """'positive', '>= 0', 'between 0 and 1', 'in [0, 1)', ... from a field's bounds."""
+    b = {k: f.metadata[k] for k in _BOUNDS if k in f.metadata}
+    lo = next(((k, v) for k, v in b.items() if k in ("ge", "gt")), None)
+    hi = next(((k, v) for k, v in b.items() if k in ("le", "lt")), None)
+    if lo and hi:
+        if (lo[0], hi[0]) == ("gt", "lt"):
+            return f"between {lo[1]:g} and {hi[1]:g}"
+        return f"in {'[' if lo[0] == 'ge' else '('}{lo[1]:g}, {hi[1]:g}{']' if hi[0] == 'le' else ')'}"
+    if lo == ("gt", 0):
+        return "positive"
+    return " and ".join(f"{_BOUNDS[k][0]} {v:g}" for k, v in b.items())
+
+
+def _check_floats(section, name: str) -> None:
+    """Every float field is finite and inside its stated range: a NaN or negative learning
+    rate is one line here, not a traceback or a silently diverging run."""
+    import math
+    for f in fields(section):
+        if f.type not in ("float", float):
+            continue
+        v = getattr(section, f.name)
+        bad = not math.isfinite(v) or any(k in f.metadata and not ok(v, f.metadata[k])
+                                           for k, (_, ok) in _BOUNDS.items())
+        if bad:
+            rng = _range_text(f)
+            if math.isfinite(v):
+                raise ConfigError(f"{name}.{f.name}={v} must be {rng}")
+            raise ConfigError(f"{name}.{f.name}={v} must be a finite number" + (f", {rng}" if rng else ""))
 
 
 @dataclass(frozen=True)
@@ -41,9 +78,9 @@ class ModelConfig:
     vocab_size: int = _f(256, "vocabulary size (256 for the byte-level data)")
     seq_len: int = _f(128, "tokens per sequence")
     tie_embeddings: bool = _f(False, "share the input embedding and the output head")
-    rope_theta: float = _f(10000.0, "rotary embedding base")
-    norm_eps: float = _f(1e-5, "RMSNorm epsilon")
-    init_std: float = _f(0.02, "std of the normal initialisation")
+    rope_theta: float = _f(10000.0, "rotary embedding base", gt=0)
+    norm_eps: float = _f(1e-5, "RMSNorm epsilon", gt=0)
+    init_std: float = _f(0.02, "std of the normal initialisation", gt=0)
     image_size: int = _f(8, "vit: image height and width in pixels (digits: 8)")
     patch_size: int = _f(2, "vit: patch height and width; (image_size/patch_size)^2 patches")
     channels: int = _f(1, "vit: image channels")
@@ -73,7 +110,7 @@ class ParallelConfig:
     pp_split: str = _f("", "layers per stage, e.g. '2,2,1,1'; empty = balanced")
     bucket_mb: float = _f(0.0, "data-parallel gradient bucket size in MiB; 0 = auto: an eighth of the "
                                "stage's gradients, between 1 and 25 MiB, so the first all-reduces "
-                               "start while backward still runs even for a small model")
+                               "start while backward still runs even for a small model", ge=0)
 
     @property
     def world_size(self) -> int:
@@ -84,14 +121,14 @@ class ParallelConfig:
 class TrainConfig:
     steps: int = _f(250, "optimizer steps")
     global_batch: int = _f(32, "sequences per optimizer step, over all dp replicas")
-    lr: float = _f(3e-3, "peak learning rate")
-    min_lr_ratio: float = _f(0.1, "final learning rate as a fraction of lr (cosine decay)")
+    lr: float = _f(3e-3, "peak learning rate", gt=0)
+    min_lr_ratio: float = _f(0.1, "final learning rate as a fraction of lr (cosine decay)", ge=0, le=1)
     warmup_steps: int = _f(20, "linear warmup steps")
-    weight_decay: float = _f(0.1, "AdamW weight decay (matrices only)")
-    beta1: float = _f(0.9, "AdamW beta1")
-    beta2: float = _f(0.95, "AdamW beta2")
-    eps: float = _f(1e-8, "AdamW epsilon")
-    grad_clip: float = _f(1.0, "clip the global gradient norm to this; 0 disables")
+    weight_decay: float = _f(0.1, "AdamW weight decay (matrices only)", ge=0)
+    beta1: float = _f(0.9, "AdamW beta1", ge=0, lt=1)
+    beta2: float = _f(0.95, "AdamW beta2", ge=0, lt=1)
+    eps: float = _f(1e-8, "AdamW epsilon", gt=0)
+    grad_clip: float = _f(1.0, "clip the global gradient norm to this; 0 disables", ge=0)
     seed: int = _f(0, "seed of initialisation and data order (layout-independent)")
     eval_every: int = _f(50, "validation every N steps; 0 disables")
     eval_batches: int = _f(4, "validation batches (of global_batch sequences)")
@@ -103,7 +140,7 @@ class TrainConfig:
     progress: bool = _f(True, "show a progress bar on rank 0")
     tensorboard: str = _f("", "rank 0 writes TensorBoard event files to this folder "
                               "(pip install 'hybridpar[tensorboard]')")
-    peak_tflops: float = _f(0.0, "peak TFLOP/s of one device, for MFU in the TensorBoard logs; 0 = not logged")
+    peak_tflops: float = _f(0.0, "peak TFLOP/s of one device, for MFU in the TensorBoard logs; 0 = not logged", ge=0)
     trace: str = _f("", "write every rank's events (forward/backward per micro-batch, collectives, idle) "
                         "to this Chrome trace JSON (Perfetto) and a PNG timeline next to it "
                         "(pip install 'hybridpar[plot]')")
@@ -112,14 +149,14 @@ class TrainConfig:
 @dataclass(frozen=True)
 class DataConfig:
     path: str = _f("", "text file or folder; empty = the Python standard library's sources")
-    val_fraction: float = _f(0.05, "tail fraction of the tokens held out for validation")
+    val_fraction: float = _f(0.05, "tail fraction of the tokens held out for validation", gt=0, lt=1)
 
 
 @dataclass(frozen=True)
 class ReliabilityConfig:
     deadline_s: float = _f(300.0, "watchdog: a rank whose current operation (collective, send/recv, forward, "
                                   "backward) lasts longer than this stops the job, naming the rank(s) that "
-                                  "stopped participating; 0 disables")
+                                  "stopped participating; 0 disables", ge=0)
     dump_dir: str = _f("", "watchdog report and per-rank stack dumps; empty = <tmp>/hybridpar-dumps/<run id>")
     nan_policy: str = _f("stop", "non-finite loss or gradient norm: stop naming the step and rank, or skip "
                                  "the update (parameters unchanged); under fp16 the loss scaler decides",
@@ -128,7 +165,7 @@ class ReliabilityConfig:
     straggler_every: int = _f(10, "every N steps gather each rank's mean busy time per step (time not waiting "
                                   "in communication) into the metrics ('rank_busy_s'); 0 disables")
     straggler_threshold: float = _f(1.5, "name a rank whose busy time exceeds this multiple of the median of "
-                                         "its pipeline stage's ranks (metrics 'straggler'); 0 disables naming")
+                                         "its pipeline stage's ranks (metrics 'straggler'); 0 disables naming", gt=1)
 
 
 @dataclass(frozen=True)
@@ -280,6 +317,12 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
             v = getattr(section, f.name)
             if f.type in ("int", int) and not isinstance(v, bool) and v < 0:
                 raise ConfigError(f"{_sec(section)}.{f.name}={v} must not be negative")
+    for name, section in (("model", m), ("parallel", p), ("train", t), ("data", cfg.data),
+                          ("reliability", cfg.reliability)):
+        _check_floats(section, name)
+    if t.eval_every and t.eval_batches < 1:
+        raise ConfigError(f"train.eval_batches={t.eval_batches} must be at least 1 when "
+                          f"train.eval_every={t.eval_every} (0 disables evaluation)")
     positive = [("model", m, "n_layers"), ("model", m, "d_model"), ("model", m, "n_heads"),
                 ("model", m, "n_kv_heads"), ("model", m, "d_ff"), ("model", m, "vocab_size"),
                 ("model", m, "seq_len"), ("parallel", p, "dp"), ("parallel", p, "tp"),
@@ -370,12 +413,6 @@ def _validate_rest(cfg: Config, world_size: int | None) -> None:
             f"train.global_batch={t.global_batch} must be divisible by dp*microbatches="
             f"{p.dp}*{p.microbatches}={per_step}; e.g. train.global_batch="
             f"{max(per_step, (t.global_batch // per_step) * per_step)}")
-    if not 0 <= t.grad_clip:
-        raise ConfigError(f"train.grad_clip={t.grad_clip} must be >= 0")
-    if t.lr <= 0:
-        raise ConfigError(f"train.lr={t.lr} must be positive")
-    if not 0 < cfg.data.val_fraction < 1:
-        raise ConfigError(f"data.val_fraction={cfg.data.val_fraction} must be between 0 and 1")
     if p.bucket_mb < 0:
         raise ConfigError(f"parallel.bucket_mb={p.bucket_mb} must be positive (or 0 for auto)")
     c = cfg.checkpoint
@@ -417,5 +454,7 @@ def describe_fields() -> str:
     lines = []
     for section, typ in _SECTION_TYPES.items():
         for f in fields(typ):
-            lines.append(f"  --{section}.{f.name}={f.default!r}  {f.metadata['help']}")
+            rng = _range_text(f)
+            lines.append(f"  --{section}.{f.name}={f.default!r}  {f.metadata['help']}"
+                         + (f" (valid: {rng})" if rng else ""))
     return "\n".join(lines)

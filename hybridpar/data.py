@@ -271,6 +271,15 @@ def val_batches(dataset: Dataset, *, n_batches: int, batch_size: int, seq_len: i
     return [_windows(dataset.val, chunk, seq_len) for chunk in np.split(offsets, n_batches)]
 
 
+def check_token_range(dataset: Dataset, vocab_size: int) -> None:
+    """Every token id of the data indexes the model's vocabulary: checked once, before training,
+    on every path (a vocab-parallel embedding would otherwise zero out-of-range ids silently)."""
+    top = max(int(t.max()) for t in (dataset.train, dataset.val) if len(t))
+    if top >= vocab_size:
+        raise DataError(f"{dataset.source}: token id {top} is outside model.vocab_size={vocab_size} "
+                        f"(ids 0..{vocab_size - 1}); byte-level text needs model.vocab_size >= 256")
+
+
 def load_data(cfg, spec):
     """The data ``spec`` trains on: token streams from ``data.path`` (or the stdlib corpus) for
     text models, the embedded digits for image classifiers."""

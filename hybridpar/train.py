@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -87,6 +88,8 @@ class Trainer:
         self.cfg, self.mesh = cfg, mesh
         spec = spec or spec_for(cfg.model)
         self.dataset = dataset if dataset is not None else data_mod.load_data(cfg, spec)
+        if isinstance(self.dataset, data_mod.Dataset):
+            data_mod.check_token_range(self.dataset, cfg.model.vocab_size)
         self.pm = parallelize(cfg, mesh, spec=spec)
         self.opt = build_optimizer(self.pm, cfg)
         p = cfg.parallel
@@ -256,6 +259,9 @@ def train(cfg: Config, mesh: ParallelMesh, *, dataset=None, callbacks: Callbacks
     ``spec`` describes the model (default: the one ``cfg.model`` names)."""
     trainer = Trainer(cfg, mesh, dataset, spec=spec)
     t = cfg.train
+    if trainer.step >= t.steps and mesh.rank == 0:
+        print(f"hybridpar: nothing to train: {trainer.resumed_from} is at step {trainer.step} and "
+              f"train.steps={t.steps}; raise --steps to continue", file=sys.stderr, flush=True)
     tracer = trace.Tracer(mesh.rank).install(trainer) if t.trace else None
     is_rank0 = mesh.rank == 0
     bar = None

@@ -64,6 +64,21 @@ CASES = [
     ("world-size-mismatch-in-launcher", ["--dp", "4"],
      "the launcher started 2 processes but dp*tp*pp = 4*1*1 = 4"),  # env: under a launcher
     ("unknown-command", None, "unknown command 'trian'; did you mean 'train'?"),
+    # silent wrong results or lost work before (issue: reliability): now one line, exit 2
+    ("vocab-smaller-than-data", ["--model.vocab_size=128"], "is outside model.vocab_size=128 (ids 0..127)"),
+    ("vocab-smaller-than-data-tp2", ["--tp", "2", "--model.vocab_size=128"], "is outside model.vocab_size=128"),
+    ("resume-folder-missing", ["--checkpoint.dir={d}/no_such_ckpt", "--resume"],
+     "--resume: checkpoint.dir={d}/no_such_ckpt does not exist; check the folder name"),
+    ("resume-nothing-to-resume", ["--checkpoint.dir={d}/emptydir", "--resume"],
+     "--resume: checkpoint.dir={d}/emptydir holds no complete checkpoint"),
+    ("negative-min-lr", ["--train.min_lr_ratio=-5"], "train.min_lr_ratio=-5.0 must be in [0, 1]"),
+    ("nan-lr", ["--train.lr=nan"], "train.lr=nan must be a finite number, positive"),
+    ("inf-lr", ["--train.lr=inf"], "train.lr=inf must be a finite number, positive"),
+    ("zero-rope-theta", ["--model.rope_theta=0"], "model.rope_theta=0.0 must be positive"),
+    ("negative-init-std", ["--model.init_std=-0.1"], "model.init_std=-0.1 must be positive"),
+    ("beta1-one", ["--train.beta1=1"], "train.beta1=1.0 must be in [0, 1)"),
+    ("eval-batches-zero", ["--train.eval_batches=0"],
+     "train.eval_batches=0 must be at least 1 when train.eval_every=50"),
 ]
 ENV = {"world-size-mismatch-in-launcher": {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}}
 NEEDS_CUDA_ABSENT = {"device-cuda-missing"}
@@ -126,8 +141,21 @@ def test_bad_input_is_one_clear_line(name, argv, expected, files, no_training, c
     assert code == 2, (code, err)
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("hybridpar: error: "), err
-    assert expected in lines[0], lines[0]
+    assert expected.replace("{d}", str(files)) in lines[0], lines[0]
     assert "Traceback" not in err
+
+
+def test_resume_with_nothing_left_to_train_says_so(tmp_path):
+    """--resume whose checkpoint is already at train.steps: one line, exit 0, checkpoint kept."""
+    tiny = ["--dp", "1", "--model.n_layers=1", "--model.d_model=32", "--model.n_heads=4",
+            "--model.n_kv_heads=2", "--model.d_ff=64", "--model.seq_len=16", "--train.progress=false",
+            "--train.eval_every=0", f"--checkpoint.dir={tmp_path}/ck"]
+    first = _run(["-m", "hybridpar", "train", *tiny, "--steps", "2"])
+    assert first.returncode == 0, first.stderr
+    again = _run(["-m", "hybridpar", "train", *tiny, "--steps", "2", "--resume"])
+    assert again.returncode == 0, again.stderr
+    assert "hybridpar: nothing to train:" in again.stderr and "is at step 2 and train.steps=2" in again.stderr
+    assert (tmp_path / "ck" / "step_000002").is_dir()
 
 
 def _run(args, env=None, timeout=120):

@@ -154,6 +154,14 @@ def read_full(path: str | os.PathLike, prefix: str = "model/") -> tuple[dict, di
     return read_json(folder, TRAINER), {k[len(prefix):]: v for k, v in sd.items()}
 
 
+def resume_problem(folder: str) -> str:
+    """Why ``--resume`` has nothing to continue from (never a silent fresh start that would
+    then overwrite ``latest``)."""
+    what = "does not exist" if not Path(folder).exists() else "holds no complete checkpoint"
+    return (f"--resume: checkpoint.dir={folder} {what}; check the folder name, or drop --resume "
+            f"to start a new run there")
+
+
 def resume(trainer) -> Path | None:
     """At Trainer construction: load ``checkpoint.dir``'s latest when asked (``resume``, or a
     restarted torchrun worker), else ``checkpoint.load``; refuse to start over a folder that
@@ -165,6 +173,8 @@ def resume(trainer) -> Path | None:
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     if found and (c.resume or restarted):
         return load(trainer, found)
+    if c.resume and not restarted:
+        raise CheckpointError(resume_problem(c.dir))
     if c.load:
         return load(trainer, c.load)
     if found:
