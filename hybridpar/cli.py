@@ -72,9 +72,15 @@ def check_inputs(cfg: Config):
     from .launch import check_device
     check_device(cfg)
     try:
-        parse_faults(os.environ.get(FAULT_ENV, ""))
+        faults = parse_faults(os.environ.get(FAULT_ENV, ""))
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    world = cfg.parallel.world_size
+    for f in faults:
+        if not 0 <= f.rank < world:
+            raise ConfigError(f"{FAULT_ENV} names rank {f.rank}, outside this job's ranks "
+                              f"0..{world - 1}; it would never fire")
+    check_outputs(cfg)
     spec = check_model(cfg)
     c = cfg.checkpoint
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
@@ -87,6 +93,30 @@ def check_inputs(cfg: Config):
     if isinstance(dataset, Dataset):
         check_token_range(dataset, cfg.model.vocab_size)
     return dataset
+
+
+def check_outputs(cfg: Config) -> None:
+    """Every output path is usable now, not after training: a file where a folder must be, a
+    folder where a file must be, or a place this user cannot write."""
+    t, c = cfg.train, cfg.checkpoint
+    for name, path in (("train.metrics", t.metrics), ("train.trace", t.trace)):
+        if path and os.path.isdir(path):
+            raise ConfigError(f"{name}={path!r} is a folder; give a file path, e.g. "
+                              f"{os.path.join(path, 'metrics.jsonl')!r}")
+        folder = os.path.dirname(os.path.abspath(path)) if path else ""
+        if path and os.path.isdir(folder) and not os.access(folder, os.W_OK):
+            raise ConfigError(f"{name}={path!r}: folder {folder!r} is not writable")
+    for name, path in (("checkpoint.dir", c.dir), ("train.tensorboard", t.tensorboard)):
+        if not path:
+            continue
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise ConfigError(f"{name}={path!r} is a file, not a folder; choose a folder path")
+        existing = os.path.abspath(path)
+        while not os.path.exists(existing):  # the nearest part that exists ("/" always does)
+            existing = os.path.dirname(existing)
+        if not os.path.isdir(existing) or not os.access(existing, os.W_OK):
+            raise ConfigError(f"{name}={path!r} cannot be created: {existing!r} is "
+                              f"{'not a folder' if not os.path.isdir(existing) else 'not writable'}")
 
 
 def check_model(cfg: Config, model=None):

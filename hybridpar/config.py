@@ -250,9 +250,22 @@ def apply_updates(cfg: Config, updates: dict[str, dict[str, Any]], *, from_text:
 
 
 def load_toml(path: str) -> dict:
+    import os
+    import stat
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        mode = None
+    if mode is not None and not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
+        raise ConfigError(f"config file {path} is not a regular file (a pipe or device?); "
+                          f"pass a .toml file")  # reading a FIFO would block forever
     try:
         with open(path, "rb") as fh:
-            return tomllib.load(fh)
+            raw = fh.read()
+        if raw.startswith(b"\xef\xbb\xbf"):
+            raise ConfigError(f"config file {path} starts with a UTF-8 byte-order mark, which TOML "
+                              f"does not allow; save it as UTF-8 without BOM")
+        return tomllib.loads(raw.decode("utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
     except IsADirectoryError:

@@ -130,7 +130,15 @@ def default_corpus() -> tuple[np.ndarray, int]:
 
 
 def _read_text_file(path: Path) -> bytes:
-    data = path.read_bytes()
+    import stat
+    if not stat.S_ISREG(path.stat().st_mode):  # a FIFO would block forever
+        raise DataError(f"data file {str(path)!r} is not a regular file (a pipe or device?); "
+                        "pass UTF-8 text files only")
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise DataError(f"data file {str(path)!r} cannot be read ({e.strerror}); check its "
+                        "permissions") from None
     if b"\0" in data:
         raise DataError(f"data file {str(path)!r} looks binary (contains NUL bytes); "
                         "pass UTF-8 text files only")
@@ -158,6 +166,8 @@ def read_user_data(path: str | os.PathLike) -> tuple[np.ndarray, int]:
     blobs = [b for b in map(_read_text_file, files) if b]  # empty files inside a folder add nothing
     if not blobs:
         raise DataError(f"data path {str(root)!r} is empty; add text")
+    if not any(b.strip() for b in blobs):
+        raise DataError(f"data path {str(root)!r} holds only whitespace; add text")
     return _concat(blobs), len(files)
 
 

@@ -79,8 +79,17 @@ CASES = [
     ("beta1-one", ["--train.beta1=1"], "train.beta1=1.0 must be in [0, 1)"),
     ("eval-batches-zero", ["--train.eval_batches=0"],
      "train.eval_batches=0 must be at least 1 when train.eval_every=50"),
+    ("config-fifo", ["--config", "{d}/fifo"], "is not a regular file (a pipe or device?)"),
+    ("data-fifo", ["--data.path={d}/fifo"], "is not a regular file (a pipe or device?)"),
+    ("toml-bom", ["--config", "{d}/bom.toml"], "starts with a UTF-8 byte-order mark"),
+    ("data-only-newlines", ["--data.path={d}/newlines.txt"], "holds only whitespace; add text"),
+    ("metrics-is-a-folder", ["--metrics", "{d}"], "train.metrics='{d}' is a folder; give a file path"),
+    ("checkpoint-dir-is-a-file", ["--checkpoint.dir={d}/lr_str.toml"], "is a file, not a folder"),
+    ("checkpoint-dir-under-a-file", ["--checkpoint.dir={d}/lr_str.toml/ck"], "cannot be created"),
+    ("fault-rank-outside-world", ["--dp", "2"], "HYBRIDPAR_FAULT names rank 7, outside this job's ranks 0..1"),
 ]
-ENV = {"world-size-mismatch-in-launcher": {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}}
+ENV = {"world-size-mismatch-in-launcher": {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"},
+       "fault-rank-outside-world": {"HYBRIDPAR_FAULT": "raise:7:2"}}
 NEEDS_CUDA_ABSENT = {"device-cuda-missing"}
 
 
@@ -88,6 +97,9 @@ NEEDS_CUDA_ABSENT = {"device-cuda-missing"}
 def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("bad")
     (d / "lr_str.toml").write_text('[train]\nlr = "fast"\n')
+    os.mkfifo(d / "fifo")  # reading it would block forever: must be refused, not opened
+    (d / "bom.toml").write_bytes(b"\xef\xbb\xbf[train]\nsteps = 5\n")
+    (d / "newlines.txt").write_text("\n" * 5000)
     (d / "dp_float.toml").write_text("[parallel]\ndp = 2.5\n")
     (d / "tie_int.toml").write_text("[model]\ntie_embeddings = 1\n")
     (d / "typo.toml").write_text("[train]\nstpes = 5\n")
