@@ -1,8 +1,23 @@
 """hybridpar: hybrid-parallel (dp x tp x pp) training on torch.distributed."""
+import sys
+import types
+
 from .config import Config, ConfigError, load_config, validate
-# Load the submodule hybridpar.train now: its first import would otherwise set the package
-# attribute ``train`` to the module, hiding the function below (e.g. after one in-process run).
-from . import train as _train_module  # noqa: E402,F401
+
+
+class _Package(types.ModuleType):
+    """Importing the submodule ``hybridpar.train`` (the training loop) would set the package
+    attribute ``train`` to that module, hiding the function below. Keeping the function is done
+    here rather than by importing the submodule eagerly, which would import torch with the
+    package and cost seconds on every config error."""
+
+    def __setattr__(self, name, value):
+        if name == "train" and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 __version__ = "0.1.0"
 

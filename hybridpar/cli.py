@@ -30,8 +30,10 @@ def _train_parser() -> argparse.ArgumentParser:
     for flag in SHORTCUTS:
         p.add_argument("--" + flag.replace("_", "-"), dest=flag, default=None,
                        help=f"= --{'.'.join(SHORTCUTS[flag])}")
-    p.add_argument("--resume", action="store_true",
-                   help="= --checkpoint.resume=true: continue from checkpoint.dir's latest checkpoint")
+    p.add_argument("--resume", nargs="?", const="true", choices=("true", "auto"),
+                   help="= --checkpoint.resume=true: continue from checkpoint.dir's latest "
+                        "checkpoint (an error if there is none); --resume=auto: continue if there "
+                        "is one, else say so and start a new run (for job scripts that always pass it)")
     return p
 
 
@@ -54,6 +56,8 @@ def parse_train_args(argv: list[str]) -> Config:
             overrides.append(f"--{section}.{name}={value}")
     if args.resume:
         overrides.append("--checkpoint.resume=true")
+    if args.resume == "auto":
+        overrides.append("--checkpoint.fresh_if_none=true")
     return load_config(args.config, overrides)
 
 
@@ -84,7 +88,7 @@ def check_inputs(cfg: Config):
     spec = check_model(cfg)
     c = cfg.checkpoint
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    if c.resume and not restarted:
+    if c.resume and not c.fresh_if_none and not restarted:
         from .checkpoint import store
         from .checkpoint.core import resume_problem
         if not (os.path.isdir(c.dir) and store.latest(Path(c.dir))):
@@ -185,7 +189,8 @@ def run_train(cfg: Config, dataset=None, model=None) -> RunResult | None:
     JobFailed naming it; its own traceback or watchdog report is printed above)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from .launch import describe_failure, spawn, under_launcher
+    from .env import under_launcher
+    from .launch import describe_failure, spawn
 
     if under_launcher() or cfg.parallel.world_size == 1:
         return _train_worker(cfg, dataset, model)
@@ -200,7 +205,7 @@ def run_train(cfg: Config, dataset=None, model=None) -> RunResult | None:
 
 
 def _launcher_world() -> int | None:
-    from .launch import under_launcher
+    from .env import under_launcher
 
     return int(os.environ["WORLD_SIZE"]) if under_launcher() and "WORLD_SIZE" in os.environ else None
 

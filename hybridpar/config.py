@@ -175,7 +175,10 @@ class CheckpointConfig:
     every: int = _f(0, "save every N steps; with dir set a checkpoint is also saved at the last step and on "
                        "SIGTERM (all ranks save together, then exit 0)")
     keep: int = _f(3, "keep the newest K checkpoints in dir; 0 keeps all")
-    resume: bool = _f(False, "continue from dir's latest checkpoint, if any (hybridpar train --resume)")
+    resume: bool = _f(False, "continue from dir's latest checkpoint (hybridpar train --resume); an error "
+                             "if there is none, unless fresh_if_none")
+    fresh_if_none: bool = _f(False, "with resume: start a new run, saying so, when dir holds no checkpoint "
+                                    "(hybridpar train --resume=auto)")
     load: str = _f("", "start from this checkpoint (a step_NNNNNN folder, or a dir: its latest), in any "
                        "layout: weights, optimizer state, step; checkpoint.dir's latest wins when resuming")
 

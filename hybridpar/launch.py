@@ -16,11 +16,7 @@ import torch.distributed as dist
 
 from .config import Config, validate
 from .mesh import Layout, ParallelMesh, build_mesh, single_mesh
-
-
-def under_launcher() -> bool:
-    """True inside a torchrun / elastic-launch worker (the launcher sets these)."""
-    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+from .env import under_launcher
 
 
 def free_port() -> int:

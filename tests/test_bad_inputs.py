@@ -158,12 +158,14 @@ def test_bad_input_is_one_clear_line(name, argv, expected, files, no_training, c
 
 
 def test_resume_with_nothing_left_to_train_says_so(tmp_path):
-    """--resume whose checkpoint is already at train.steps: one line, exit 0, checkpoint kept."""
+    """--resume=auto on an empty folder says it starts fresh; --resume whose checkpoint is already
+    at train.steps: one line, exit 0, checkpoint kept."""
     tiny = ["--dp", "1", "--model.n_layers=1", "--model.d_model=32", "--model.n_heads=4",
             "--model.n_kv_heads=2", "--model.d_ff=64", "--model.seq_len=16", "--train.progress=false",
             "--train.eval_every=0", f"--checkpoint.dir={tmp_path}/ck"]
-    first = _run(["-m", "hybridpar", "train", *tiny, "--steps", "2"])
+    first = _run(["-m", "hybridpar", "train", *tiny, "--steps", "2", "--resume=auto"])
     assert first.returncode == 0, first.stderr
+    assert "--resume=auto: checkpoint.dir=" in first.stderr and "starting a new run" in first.stderr
     again = _run(["-m", "hybridpar", "train", *tiny, "--steps", "2", "--resume"])
     assert again.returncode == 0, again.stderr
     assert "hybridpar: nothing to train:" in again.stderr and "is at step 2 and train.steps=2" in again.stderr

@@ -213,7 +213,8 @@ def _small(root, **model):
 
     torch.set_num_threads(1)
     cfg = tiny_config(steps=6, microbatches=1, **{"n_layers": 2, **model})
-    return Trainer(replace(cfg, checkpoint=replace(cfg.checkpoint, dir=str(root), resume=True)),
+    resume = checkpoint.latest(Path(root)) is not None  # --resume with nothing is an error
+    return Trainer(replace(cfg, checkpoint=replace(cfg.checkpoint, dir=str(root), resume=resume)),
                    single_mesh(), tiny_dataset())
 
 

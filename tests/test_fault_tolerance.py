@@ -38,7 +38,7 @@ def test_sigkilled_rank_restarts_and_resumes(tmp_path):
            KILL_ENV: f"1:step={KILL_STEP}"}  # rank 1 SIGKILLs itself after step 7, first attempt only
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                         "--max-restarts", "1", "--monitor-interval", "0.1", "-m", "hybridpar", "train", *args,
-                        f"--checkpoint.dir={ck}", f"--checkpoint.every={EVERY}", "--resume",
+                        f"--checkpoint.dir={ck}", f"--checkpoint.every={EVERY}", "--resume=auto",
                         "--metrics", str(metrics)],
                        capture_output=True, text=True, timeout=240, env=env)
     assert r.returncode == 0, r.stderr[-4000:]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
 import uuid
 import warnings
 from pathlib import Path
@@ -174,7 +175,11 @@ def resume(trainer) -> Path | None:
     if found and (c.resume or restarted):
         return load(trainer, found)
     if c.resume and not restarted:
-        raise CheckpointError(resume_problem(c.dir))
+        if not c.fresh_if_none:
+            raise CheckpointError(resume_problem(c.dir))
+        if trainer.mesh.rank == 0:
+            print(f"hybridpar: --resume=auto: checkpoint.dir={c.dir} holds no checkpoint; "
+                  f"starting a new run", file=sys.stderr, flush=True)
     if c.load:
         return load(trainer, c.load)
     if found:
