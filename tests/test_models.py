@@ -21,6 +21,7 @@ from hybridpar.testing import (max_rel_tensor_err, run_cases, cached_reference, 
 
 LAYOUTS = [(8, 1, 1), (4, 2, 1), (4, 1, 2), (2, 2, 2), (2, 4, 1), (2, 1, 4), (1, 2, 4), (1, 4, 2),
            (1, 8, 1), (1, 1, 8)]
+GPIPE = {(2, 2, 2), (2, 1, 4), (1, 1, 8)}
 STEP1_RTOL, LATER_RTOL, GRAD_RTOL = 1e-5, 1e-4, 1e-5
 
 
@@ -38,8 +39,8 @@ def example_config(dp, tp, pp, schedule):
 
 def _cases():
     cases = {}
-    for dp, tp, pp in LAYOUTS:
-        for sched in (["gpipe", "1f1b"] if pp > 1 else ["1f1b"]):
+    for dp, tp, pp in LAYOUTS:  # 1F1B everywhere, GPipe where it differs most (all three axes; pure pp)
+        for sched in (["gpipe", "1f1b"] if (dp, tp, pp) in GPIPE else ["1f1b"]):
             cases[f"vit-{dp}x{tp}x{pp}-{sched}"] = (tiny_vit_config(dp=dp, tp=tp, pp=pp, schedule=sched), None)
     for dp, tp, pp in [(2, 1, 4), (1, 2, 4)]:
         c = tiny_vit_config(dp=dp, tp=tp, pp=pp, schedule="interleaved", microbatches=8)
@@ -56,9 +57,23 @@ def _cases():
 CASES = _cases()
 
 
+def checkpoint_cases(root: str) -> dict:
+    """A ViT saved at (2,2,2) after step 3, then loaded at (4,1,2), in the same spawn."""
+    def cfg(dp, tp, pp, **ck):
+        c = tiny_vit_config(dp=dp, tp=tp, pp=pp)
+        return replace(c, checkpoint=replace(c.checkpoint, **ck))
+    return {"ckpt-save-2x2x2": (cfg(2, 2, 2, dir=f"{root}/ck", every=3), None),
+            "ckpt-load-4x1x2": (cfg(4, 1, 2, load=f"{root}/ck/step_000003"), None),
+            "ckpt-load-1x1x1": (cfg(1, 1, 1, load=f"{root}/ck/step_000003"), None)}
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return run_cases(CASES, str(tmp_path_factory.mktemp("models")))
+    root = str(tmp_path_factory.mktemp("models"))
+    ckpt = checkpoint_cases(root)
+    got = run_cases({**CASES, **{k: v for k, v in ckpt.items() if "1x1x1" not in k}}, f"{root}/out")
+    got["ckpt-config-1x1x1"] = ckpt["ckpt-load-1x1x1"][0]
+    return got
 
 
 ref_for = cached_reference
@@ -121,22 +136,15 @@ def test_example_trains_at_dp2_pp2_through_the_python_api():
     assert result["val_accuracy"] > 0.7, result["val_accuracy"]  # 10 classes: chance is 0.1
 
 
-def test_vit_checkpoint_saved_at_2x2x2_resumes_at_other_layouts(tmp_path):
+def test_vit_checkpoint_saved_at_2x2x2_resumes_at_other_layouts(results):
     """Layout-free checkpoints for a model other than Llama: a ViT saved at (2,2,2) after step 3
     continues at (4,1,2) and in one process with the losses of the uninterrupted run."""
     from hybridpar.testing import run_case, test_data
 
-    def cfg(dp, tp, pp, **ck):
-        c = tiny_vit_config(dp=dp, tp=tp, pp=pp)
-        return replace(c, checkpoint=replace(c.checkpoint, **ck))
-
-    saved = str(tmp_path / "ck" / "step_000003")
-    cases = {"save-2x2x2": (cfg(2, 2, 2, dir=str(tmp_path / "ck"), every=3), None),
-             "load-4x1x2": (cfg(4, 1, 2, load=saved), None)}
-    got = run_cases(cases, str(tmp_path / "out"))
-    full = got["save-2x2x2"]["losses"]
-    one = run_case(cfg(1, 1, 1, load=saved), dataset=test_data(cases["save-2x2x2"][0]))["losses"]
-    for name, resumed in (("4x1x2", got["load-4x1x2"]["losses"]), ("1x1x1", one)):
+    one_cfg = results["ckpt-config-1x1x1"]
+    one = run_case(one_cfg, dataset=test_data(one_cfg))["losses"]
+    full = results["ckpt-save-2x2x2"]["losses"]
+    for name, resumed in (("4x1x2", results["ckpt-load-4x1x2"]["losses"]), ("1x1x1", one)):
         assert len(resumed) == 2, (name, resumed)  # steps 4 and 5
         errs = [rel_err(a, b) for a, b in zip(resumed, full[3:])]
         assert max(errs) <= LATER_RTOL, (name, errs)
