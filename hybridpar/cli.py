@@ -53,6 +53,10 @@ def parse_train_args(argv: list[str]) -> Config:
     for flag, (section, name) in SHORTCUTS.items():
         value = getattr(args, flag)
         if value is not None:
+            # one rule, no silent winner: a field is set once on the command line
+            if any(o.split("=", 1)[0] == f"--{section}.{name}" for o in overrides):
+                raise ConfigError(f"--{flag.replace('_', '-')} and --{section}.{name} both set "
+                                  f"{section}.{name}; give one of them")
             overrides.append(f"--{section}.{name}={value}")
     if args.resume:
         overrides.append("--checkpoint.resume=true")

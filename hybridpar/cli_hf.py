@@ -48,9 +48,13 @@ def export(argv: list[str]) -> int:
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--config", help="TOML whose [model] table describes SRC (bare files only)")
     args, rest = p.parse_known_args(argv)
+    import os
+
     from . import hf
     from .checkpoint import store
 
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise ConfigError(f"export --out {args.out} is an existing file; give a folder path")
     if store.looks_like_checkpoint(args.src):  # model section from the checkpoint's config
         from .checkpoint import export as export_checkpoint
         _, step = export_checkpoint(args.src, args.out)
@@ -83,8 +87,17 @@ def generate(argv: list[str]) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--config", help="TOML whose [model] table describes SRC (bare files only)")
     args, rest = p.parse_known_args(argv)
+    import math
     import tempfile
 
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise ConfigError(f"--temperature {args.temperature} must be a finite number >= 0 (0 = greedy)")
+    if args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens {args.max_new_tokens} must be at least 1")
+    if args.top_k < 0:
+        raise ConfigError(f"--top-k {args.top_k} must be >= 0 (0 = all)")
+    if any(0xDC80 <= ord(ch) <= 0xDCFF for ch in args.prompt):  # undecodable bytes from argv
+        raise ConfigError("--prompt is not valid UTF-8 text; pass UTF-8")
     from .checkpoint import export as export_checkpoint, store
     from .generate import complete
 

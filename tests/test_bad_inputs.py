@@ -87,6 +87,13 @@ CASES = [
     ("checkpoint-dir-is-a-file", ["--checkpoint.dir={d}/lr_str.toml"], "is a file, not a folder"),
     ("checkpoint-dir-under-a-file", ["--checkpoint.dir={d}/lr_str.toml/ck"], "cannot be created"),
     ("fault-rank-outside-world", ["--dp", "2"], "HYBRIDPAR_FAULT names rank 7, outside this job's ranks 0..1"),
+    ("steps-twice", ["--steps", "5", "--train.steps=7"], "--steps and --train.steps both set train.steps; give one"),
+    ("export-out-is-a-file", ["@export", "{d}/other.pt", "--out", "{d}/lr_str.toml"],
+     "export --out {d}/lr_str.toml is an existing file; give a folder path"),
+    ("generate-temperature-nan", ["@generate", "{d}/other.pt", "--prompt", "x", "--temperature", "nan"],
+     "--temperature nan must be a finite number >= 0"),
+    ("generate-negative-tokens", ["@generate", "{d}/other.pt", "--prompt", "x", "--max-new-tokens", "-5"],
+     "--max-new-tokens -5 must be at least 1"),
 ]
 ENV = {"world-size-mismatch-in-launcher": {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"},
        "fault-rank-outside-world": {"HYBRIDPAR_FAULT": "raise:7:2"}}
@@ -147,7 +154,12 @@ def test_bad_input_is_one_clear_line(name, argv, expected, files, no_training, c
         pytest.skip("needs a machine without CUDA")
     for k, v in ENV.get(name, {}).items():
         no_training.setenv(k, v)
-    args = ["trian"] if argv is None else ["train", *[a.replace("{d}", str(files)) for a in argv]]
+    if argv is None:
+        args = ["trian"]
+    elif argv[0].startswith("@"):  # another command than train
+        args = [argv[0][1:], *[a.replace("{d}", str(files)) for a in argv[1:]]]
+    else:
+        args = ["train", *[a.replace("{d}", str(files)) for a in argv]]
     code = cli.main(args)
     err = capsys.readouterr().err
     assert code == 2, (code, err)
