@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import zlib
+from fnmatch import fnmatchcase
 from dataclasses import dataclass, field
 
 import torch
@@ -22,7 +23,7 @@ from .data_parallel import GradSync
 from .memory import record_saved
 from .mesh import ParallelMesh
 from .models import CROSS_ENTROPY, ModelSpec, spec_for
-from .tensor_parallel.apply import ShardSpec, apply_tp, check_plan, style_of
+from .tensor_parallel.apply import ShardSpec, apply_tp, check_plan, owner, style_of
 from .tensor_parallel.layers import cross_entropy
 
 
@@ -166,8 +167,8 @@ def split_pipeline(model: nn.Module, spec: ModelSpec, pp_rank: int, pp: int,
     keep = {u for units in chunks for u in units}
     for unit in spec.units:
         if unit not in keep:
-            parent, _, leaf = unit.rpartition(".")
-            (model.get_submodule(parent) if parent else model)._modules[leaf] = None
+            parent, leaf = owner(model, unit)
+            parent._modules[leaf] = None
     return chunks
 
 
@@ -195,7 +196,7 @@ def apply_recompute(model: nn.Module, spec: ModelSpec, mode: str) -> None:
         for entry in spec.selective_recompute:
             pattern, _, method = entry.partition(":")
             for name, module in modules.items():
-                if name and style_of({pattern: ""}, name):
+                if name and fnmatchcase(name, pattern):
                     wrap(module, method or "forward")
 
 
@@ -225,11 +226,6 @@ def full_value(spec: ModelSpec, shard: ShardSpec, *, seed: int, init_state=None,
     return full
 
 
-def _set_param(model: nn.Module, name: str, p: nn.Parameter) -> None:
-    owner, _, leaf = name.rpartition(".")
-    setattr(model.get_submodule(owner) if owner else model, leaf, p)
-
-
 def parallelize(cfg: Config, mesh: ParallelMesh, *, spec: ModelSpec | None = None,
                 init_state=None) -> ParallelModel:
     """This rank's shard of the model ``spec`` describes (default: the config's model),
@@ -254,7 +250,7 @@ def parallelize(cfg: Config, mesh: ParallelMesh, *, spec: ModelSpec | None = Non
     params = dict(model.named_parameters(remove_duplicate=False))
     for src, copy in spec.tied:
         if src in params and copy in params:
-            _set_param(model, copy, params[src])
+            setattr(*owner(model, copy), params[src])
     specs = {}
     with torch.no_grad():
         for name, param in model.named_parameters():

@@ -50,10 +50,11 @@ def tiny_vit_config(*, dp=1, tp=1, pp=1, schedule="1f1b", microbatches=4, steps=
 def test_data(cfg: Config):
     """The data a test case trains on: the tiny token stream for text models, the model's own
     embedded data (the digits) otherwise."""
-    if spec_for(cfg.model).data == "text":
+    spec = spec_for(cfg.model)
+    if spec.data == "text":
         return tiny_dataset()
     from .data import load_data
-    return load_data(cfg, spec_for(cfg.model))
+    return load_data(cfg, spec)
 
 
 test_data.__test__ = False  # not a pytest test

@@ -64,9 +64,10 @@ def _shard(module: nn.Module, name: str, dim: int, tp: int) -> None:
     setattr(module, name, nn.Parameter(torch.empty(shape, device=t.device, dtype=t.dtype)))
 
 
-def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
+def owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    """The module holding ``name`` (a dotted module or parameter name) and the last part."""
     parent, _, leaf = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, leaf, new)
+    return (model.get_submodule(parent) if parent else model), leaf
 
 
 def style_of(plan: dict[str, str], name: str) -> list[str]:
@@ -148,7 +149,7 @@ def apply_tp(model: nn.Module, mesh: ParallelMesh, plan: dict[str, str], *,
                 old = module.weight
                 rows = old.shape[0] // tp
                 w = nn.Parameter(torch.empty(rows, old.shape[1], device=old.device, dtype=old.dtype))
-                _set_module(model, name, VocabParallelEmbedding(
+                setattr(*owner(model, name), VocabParallelEmbedding(
                     w, r * rows, group, sequence_parallel=sequence_parallel))
                 split[f"{name}.weight"] = 0
     return split
