@@ -268,6 +268,14 @@ def microbatches(batch: Batch, n: int) -> list[Batch]:
     return [shard_rows(batch, i, n) for i in range(n)]
 
 
+def local_microbatches(batch: Batch, dp_rank: int, dp_size: int, n: int) -> list[Batch]:
+    """This dp rank's ``n`` micro-batches of the global ``batch``, micro-batch first: the
+    global batch is cut into ``n`` micro-batches and dp rank r takes block r of each. Micro-batch
+    k then holds the same rows of the global batch on every layout (spread over the dp ranks),
+    which is what per-micro-batch statistics (BatchNorm) need to be layout-free."""
+    return [shard_rows(mb, dp_rank, dp_size) for mb in microbatches(batch, n)]
+
+
 def val_batches(dataset: Dataset, *, n_batches: int, batch_size: int, seq_len: int) -> list[Batch]:
     """`n_batches` validation batches at fixed, evenly spaced offsets over the val stream."""
     n_windows = n_batches * batch_size
@@ -297,9 +305,9 @@ def load_data(cfg, spec):
         return spec.data(cfg)
     if spec.data == "digits":
         if cfg.data.path:
-            raise DataError(f"data.path={cfg.data.path!r}: model {spec.name!r} trains on the "
-                            f"embedded digits images; data.path is for text models")
-        from .image_data import digits
-        return digits(val_fraction=cfg.data.val_fraction)
+            raise DataError(f"data.path={cfg.data.path!r}: model {spec.name!r} trains on "
+                            f"images (data.images); data.path is for text models")
+        from .image_data import images_for
+        return images_for(cfg)
     return load_dataset(cfg.data.path or None, seq_len=cfg.model.seq_len,
                         val_fraction=cfg.data.val_fraction)

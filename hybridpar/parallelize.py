@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .batchnorm import recomputing, reset_buffers, sync_batchnorm
 from .config import Config, bucket_bytes, pp_split
 from .data_parallel import GradSync
 from .memory import record_saved
@@ -139,18 +140,21 @@ def _shared_across_stages(model: nn.Module, spec: ModelSpec, mesh: ParallelMesh)
     return out
 
 
-def check_no_buffers(model: nn.Module, spec: ModelSpec) -> None:
-    """Buffers (BatchNorm running statistics, precomputed tables) would be left uninitialised
-    by the meta-device build, unsynchronised over dp and unsaved in checkpoints: refused in one
-    line rather than trained silently wrong. Compute such tables in forward (as the Llama's
-    rotary cache does) and use LayerNorm/GroupNorm until synchronised BatchNorm lands."""
-    names = [n for n, _ in model.named_buffers()]
+def check_buffers(model: nn.Module, spec: ModelSpec) -> None:
+    """BatchNorm running statistics are the buffers the engine knows (initialised, synchronised
+    over dp, sharded with their channels, saved in checkpoints). Any other buffer would be left
+    uninitialised by the meta-device build and unsaved: refused in one line rather than
+    trained silently wrong. Compute such tables in forward (as the Llama's rotary cache does)."""
+    from .batchnorm import is_batchnorm
+    owners = {f"{m}.{b}" if m else b for m, mod in model.named_modules() if not is_batchnorm(mod)
+              for b, _ in mod.named_buffers(recurse=False)}
+    names = sorted(owners)
     if names:
         from .config import ConfigError
         raise ConfigError(f"model {spec.name!r} has buffers ({', '.join(names[:3])}"
-                          f"{', ...' if len(names) > 3 else ''}), which hybridpar does not "
-                          f"support yet (BatchNorm statistics are not synchronised or saved); "
-                          f"use LayerNorm/GroupNorm, or compute tables in forward")
+                          f"{', ...' if len(names) > 3 else ''}) outside BatchNorm layers, which "
+                          f"hybridpar cannot initialise or save; compute such tables in forward, "
+                          f"or make them parameters")
 
 
 def split_pipeline(model: nn.Module, spec: ModelSpec, pp_rank: int, pp: int,
@@ -184,7 +188,9 @@ def apply_recompute(model: nn.Module, spec: ModelSpec, mode: str) -> None:
 
         def run(*args):
             record_saved(*args)  # the checkpoint keeps its inputs, outside autograd's hooks
-            return checkpoint(fn, *args, use_reentrant=False)
+            # the recompute pass leaves BatchNorm running statistics alone (counted once)
+            return checkpoint(fn, *args, use_reentrant=False,
+                              context_fn=lambda: (contextlib.nullcontext(), recomputing()))
         setattr(module, fn_name, run)
 
     modules = dict(model.named_modules())
@@ -238,15 +244,19 @@ def parallelize(cfg: Config, mesh: ParallelMesh, *, spec: ModelSpec | None = Non
         init_state = open_state(m.init_from)
     with torch.device("meta"):
         model = spec.build()
-    check_plan(model, spec.tp_plan, mesh.layout.tp, where=spec.name)
-    check_no_buffers(model, spec)
+    check_plan(model, spec.tp_plan, mesh.layout.tp, where=spec.name,
+               sequence_parallel=p.sequence_parallel)
+    check_buffers(model, spec)
     full_shapes = {n: tuple(q.shape) for n, q in model.named_parameters(remove_duplicate=False)}
+    full_shapes.update((n, tuple(b.shape)) for n, b in model.named_buffers())
     split = pp_split(len(spec.blocks), mesh.layout.pp * p.virtual_stages, p.pp_split)
     chunk_units = split_pipeline(model, spec, mesh.pp_rank, mesh.layout.pp, split)
     tp_dims = apply_tp(model, mesh, dict(spec.tp_plan), sequence_parallel=p.sequence_parallel)
+    sync_batchnorm(model, mesh.group("dp"))
     apply_recompute(model, spec, p.recompute)
 
     model.to_empty(device=mesh.device)  # allocates each parameter anew: re-tie below
+    reset_buffers(model)
     params = dict(model.named_parameters(remove_duplicate=False))
     for src, copy in spec.tied:
         if src in params and copy in params:
@@ -260,6 +270,14 @@ def parallelize(cfg: Config, mesh: ParallelMesh, *, spec: ModelSpec | None = Non
             param.copy_(shard.take(full_value(spec, shard, seed=cfg.train.seed,
                                               init_state=init_state,
                                               source=m.init_from or "init_state")))
+            specs[name] = shard
+        for name, buf in model.named_buffers():  # BatchNorm statistics: sharded with their channels
+            dim = tp_dims.get(name)
+            shard = ShardSpec(full_shapes[name], dim, mesh.tp_rank if dim is not None else 0,
+                              mesh.layout.tp if dim is not None else 1, name)
+            if init_state is not None and name in init_state:  # e.g. an exported checkpoint
+                buf.copy_(shard.take(full_value(spec, shard, seed=cfg.train.seed,
+                                                init_state=init_state, source=m.init_from or "init_state")))
             specs[name] = shard
     params = dict(model.named_parameters())
     sync = GradSync.build(list(params.values()), group=mesh.group("dp"), n_accum=p.microbatches,
@@ -311,6 +329,11 @@ def local_state(pm: ParallelModel, *, grads: bool = False) -> dict[str, tuple[Sh
     return out
 
 
+def local_buffers(pm: ParallelModel) -> dict[str, tuple[ShardSpec, torch.Tensor]]:
+    """{name: (spec, local tensor)} of the buffers (BatchNorm running statistics), on CPU."""
+    return {name: (pm.specs[name], b.detach().cpu().clone()) for name, b in pm.module.named_buffers()}
+
+
 def assemble(pieces: list[dict[str, tuple[ShardSpec, torch.Tensor]]]) -> dict[str, torch.Tensor]:
     """Unsharded tensors from every rank's ``local_state`` (any layout). Elements start as NaN
     and each piece fills what it holds (its non-NaN elements: a ZeRO-1 rank's owned gradient
@@ -321,6 +344,9 @@ def assemble(pieces: list[dict[str, tuple[ShardSpec, torch.Tensor]]]) -> dict[st
     for piece in pieces:
         for name, (spec, t) in piece.items():
             if spec.init_key != name:  # the pipeline copy of a tied embedding
+                continue
+            if not t.is_floating_point():  # a counter (num_batches_tracked): replicated
+                full[name] = t.clone()
                 continue
             if name not in full:
                 full[name] = torch.full(spec.full_shape, float("nan"), dtype=t.dtype)

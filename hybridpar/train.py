@@ -71,12 +71,12 @@ def _per_rank(value: float, mesh: ParallelMesh, what: str) -> list[float]:
 
 
 def _local_rows(step: int, cfg: Config, mesh: ParallelMesh, dataset, split: str = "train"):
-    """This dp rank's rows of the layout-independent global batch, cut into micro-batches."""
+    """This dp rank's rows of the layout-independent global batch, as micro-batches (micro-batch
+    k = the same rows of the global batch on every layout)."""
     t = cfg.train
     batch = dataset.batch(split, step, seed=t.seed, global_batch_size=t.global_batch,
                           seq_len=cfg.model.seq_len)
-    mbs = data_mod.microbatches(data_mod.shard_rows(batch, mesh.dp_rank, mesh.layout.dp),
-                                cfg.parallel.microbatches)
+    mbs = data_mod.local_microbatches(batch, mesh.dp_rank, mesh.layout.dp, cfg.parallel.microbatches)
     return [x.to(mesh.device) for x, _ in mbs], [y.to(mesh.device) for _, y in mbs]
 
 
@@ -90,6 +90,13 @@ class Trainer:
         self.dataset = dataset if dataset is not None else data_mod.load_data(cfg, spec)
         if isinstance(self.dataset, data_mod.Dataset):
             data_mod.check_token_range(self.dataset, cfg.model.vocab_size)
+        t = cfg.train
+        if t.eval_every and hasattr(self.dataset, "max_batches") \
+                and self.dataset.max_batches("val", t.global_batch) < 1:
+            raise data_mod.DataError(
+                f"{self.dataset.describe()}: the held-out split is smaller than one global batch "
+                f"of {t.global_batch}; raise data.val_fraction, lower train.global_batch, or set "
+                f"train.eval_every=0")
         self.pm = parallelize(cfg, mesh, spec=spec)
         self.opt = build_optimizer(self.pm, cfg)
         p = cfg.parallel
@@ -238,13 +245,19 @@ class Trainer:
         cfg, mesh = self.cfg, self.mesh
         total, metric = 0.0, [0.0, 0.0]
         n = cfg.train.eval_batches
-        for i in range(n):
-            xs, ys = _local_rows(i, cfg, mesh, self.dataset, "val")
-            st = self.runner.run(self.eval_actions, xs, ys)
-            if self.pm.is_last and mesh.tp_rank == 0:
-                total += sum(v.item() for v in st.losses.values())
-                for m in st.metrics.values():
-                    metric = [metric[0] + m[0].item(), metric[1] + m[1].item()]
+        if hasattr(self.dataset, "max_batches"):  # a finite held-out set: each sample once
+            n = min(n, self.dataset.max_batches("val", cfg.train.global_batch))
+        self.pm.module.eval()  # BatchNorm normalises by its running statistics, updates nothing
+        try:
+            for i in range(n):
+                xs, ys = _local_rows(i, cfg, mesh, self.dataset, "val")
+                st = self.runner.run(self.eval_actions, xs, ys)
+                if self.pm.is_last and mesh.tp_rank == 0:
+                    total += sum(v.item() for v in st.losses.values())
+                    for m in st.metrics.values():
+                        metric = [metric[0] + m[0].item(), metric[1] + m[1].item()]
+        finally:
+            self.pm.module.train()
         activity.mark("eval all-reduce", comm=True)
         total, correct, count = _all_reduce_scalars([total, *metric], mesh)
         out = {"val_loss": total / (n * mesh.layout.dp)}

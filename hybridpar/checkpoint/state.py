@@ -1,6 +1,6 @@
 """The training state as layout-free tensors: what each rank contributes to a checkpoint.
 
-Keys are unsharded names: ``model/<param>``, ``optim/<param>/exp_avg``,
+Keys are unsharded names: ``model/<param or buffer>``, ``optim/<param>/exp_avg``,
 ``optim/<param>/exp_avg_sq`` and ``optim/step``. Each local shard is wrapped as a DTensor on
 this pipeline stage's (dp, tp) device mesh with placements ``[Replicate(), Shard(d)]`` (a tp
 split along d) or ``[Replicate(), Replicate()]``; ``torch.distributed.checkpoint`` then saves
@@ -156,6 +156,8 @@ def state_dict(pm: ParallelModel, moments: Moments, *, for_load: bool) -> dict[s
         out[f"model/{key}"] = _wrap(p.detach(), spec, sub)
         for k in MOMENTS:
             out[f"optim/{key}/{k}"] = _wrap(moments.by_name[name][k], spec, sub)
+    for name, b in pm.module.named_buffers():  # BatchNorm statistics, equal over dp
+        out[f"model/{name}"] = _wrap(b, pm.specs[name], sub)
     return out
 
 
@@ -165,4 +167,4 @@ def full_shapes(model_cfg) -> dict[str, tuple[int, ...]]:
 
     with torch.device("meta"):
         model = spec_for(model_cfg).build()
-    return {f"model/{n}": tuple(p.shape) for n, p in model.named_parameters()}
+    return {f"model/{n}": tuple(p.shape) for n, p in (*model.named_parameters(), *model.named_buffers())}

@@ -1,0 +1,129 @@
+"""Batch normalisation synchronised over data parallelism: the same code on Gloo and NCCL.
+
+torch's ``SyncBatchNorm`` refuses CPU tensors, so the engine patches every ``nn.BatchNorm*d``
+of a stage with this forward (the module, its parameters and buffers keep their names). A
+layer normalises each micro-batch by its own statistics, as in one process with gradient
+accumulation; the engine gives micro-batch k the same rows of the global batch on every layout
+(``data.local_microbatches``: spread over the dp ranks), so the statistics are those of the
+union of the dp ranks' rows. Per channel, with rank r holding n_r values of mean m_r and
+M2_r = sum (x - m_r)^2 (``torch.var_mean``, numerically stable), Chan et al.'s combination:
+
+    n = sum_r n_r,   mean = sum_r n_r m_r / n,   var = (sum_r M2_r + sum_r n_r (m_r - mean)^2) / n
+    y = (x - mean) / sqrt(var + eps) * weight + bias
+
+Each rank writes (n_r, m_r, M2_r) into its row of a zero (dp, 1 + 2C) table and one all-reduce
+sums it (an all-gather autograd can differentiate: every rank uses the sum, so the backward is
+the all-reduce of the gradients, Megatron's sum_dy / sum_dy_xmu exchange). With dp = 1 the
+same code runs without the collective. Running statistics follow torch: ``running_mean <-
+(1 - m) running_mean + m mean``, ``running_var`` likewise with the unbiased ``var n / (n - 1)``,
+``num_batches_tracked += 1`` (momentum None: the cumulative average).
+
+Activation recomputation re-runs forward in backward; under ``recomputing()`` a layer normalises
+identically (same collective, same statistics) but leaves its running statistics alone, so each
+micro-batch counts once (torch's checkpoint counts it twice: pytorch/pytorch#96136).
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+__all__ = ["sync_batchnorm", "reset_buffers", "recomputing", "is_batchnorm"]
+
+_recomputing = contextvars.ContextVar("hybridpar_recomputing", default=False)
+
+
+@contextlib.contextmanager
+def recomputing():
+    """Marks an activation-recomputation forward (``torch.utils.checkpoint``'s context_fn)."""
+    token = _recomputing.set(True)
+    try:
+        yield
+    finally:
+        _recomputing.reset(token)
+
+
+def is_batchnorm(module: nn.Module) -> bool:
+    return isinstance(module, _BatchNorm)
+
+
+class _SumEverywhere(torch.autograd.Function):
+    """All-reduce (sum) forward; all-reduce of the gradients backward (every rank used the sum)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.clone()
+        dist.all_reduce(g, group=ctx.group)
+        return g, None
+
+
+def batch_stats(x: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(mean, biased var, count) per channel (dim 1) over the dp group's micro-batch rows."""
+    dims = [0, *range(2, x.dim())]
+    var_r, mean_r = torch.var_mean(x, dim=dims, unbiased=False)
+    n_r = x.numel() / x.size(1)
+    size = 1 if group is None else dist.get_world_size(group)
+    if size == 1:
+        return mean_r, var_r, n_r
+    C, rank = x.size(1), dist.get_rank(group)
+    row = torch.cat([mean_r.new_full((1,), n_r), mean_r, var_r * n_r])
+    table = _SumEverywhere.apply(
+        torch.cat([row.new_zeros(rank, 1 + 2 * C), row[None], row.new_zeros(size - rank - 1, 1 + 2 * C)]),
+        group)
+    n_k, m_k, m2_k = table[:, 0].detach(), table[:, 1:1 + C], table[:, 1 + C:]
+    n = n_k.sum()
+    mean = (n_k[:, None] * m_k).sum(0) / n
+    var = (m2_k.sum(0) + (n_k[:, None] * (m_k - mean) ** 2).sum(0)) / n
+    return mean, var, float(n)
+
+
+def _forward(bn: _BatchNorm, group, x: torch.Tensor) -> torch.Tensor:
+    bn._check_input_dim(x)
+    use_batch = bn.training or not bn.track_running_stats
+    if not use_batch:
+        return F.batch_norm(x, bn.running_mean, bn.running_var, bn.weight, bn.bias, False, 0.0, bn.eps)
+    xf = x.float()
+    mean, var, n = batch_stats(xf, group)
+    if bn.training and bn.track_running_stats and not _recomputing.get():
+        with torch.no_grad():
+            bn.num_batches_tracked.add_(1)
+            m = (1.0 / float(bn.num_batches_tracked)) if bn.momentum is None else bn.momentum
+            bn.running_mean.lerp_(mean.detach().to(bn.running_mean.dtype), m)
+            unbiased = var.detach() * (n / max(n - 1.0, 1.0))
+            bn.running_var.lerp_(unbiased.to(bn.running_var.dtype), m)
+    shape = (1, -1) + (1,) * (x.dim() - 2)
+    y = (xf - mean.view(shape)) * torch.rsqrt(var.view(shape) + bn.eps)
+    if bn.weight is not None:
+        y = y * bn.weight.view(shape) + bn.bias.view(shape)
+    return y.to(x.dtype)
+
+
+def sync_batchnorm(model: nn.Module, group) -> list[str]:
+    """Give every BatchNorm of ``model`` the forward above over ``group`` (this stage's dp
+    group, None for dp = 1); returns their names."""
+    names = []
+    for name, module in model.named_modules():
+        if is_batchnorm(module):
+            module.forward = functools.partial(_forward, module, group)
+            names.append(name)
+    return names
+
+
+def reset_buffers(model: nn.Module) -> None:
+    """Initial running statistics (mean 0, var 1, count 0) after ``to_empty``."""
+    for module in model.modules():
+        if is_batchnorm(module) and module.track_running_stats:
+            module.reset_running_stats()
