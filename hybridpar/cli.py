@@ -145,11 +145,12 @@ def check_model(cfg: Config, model=None):
     with torch.device("meta"):
         module = spec.build()
     try:
-        check_plan(module, dict(spec.tp_plan), p.tp, where=spec.name)
+        check_plan(module, dict(spec.tp_plan), p.tp, where=spec.name,
+                   sequence_parallel=p.sequence_parallel)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    from .parallelize import check_no_buffers
-    check_no_buffers(module, spec)
+    from .parallelize import check_buffers
+    check_buffers(module, spec)
     return spec
 
 
