@@ -66,8 +66,10 @@ def _check_floats(section, name: str) -> None:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    name: str = _f("llama", "built-in model: llama (byte-level text), vit (images: digits)",
-                   choices=("llama", "vit"))
+    name: str = _f("llama", "built-in model: llama (byte-level text); on images (the digits): vit "
+                            "(vision transformer), resnet (residual CNN with BatchNorm), unet "
+                            "(denoiser whose pipeline stages exchange tuples of skip tensors)",
+                   choices=("llama", "vit", "resnet", "unet"))
     spec: str = _f("", "your own model: 'package.module:attr', a ModelSpec or a function "
                        "(ModelConfig) -> ModelSpec; overrides model.name")
     n_layers: int = _f(6, "number of transformer blocks")
@@ -81,10 +83,13 @@ class ModelConfig:
     rope_theta: float = _f(10000.0, "rotary embedding base", gt=0)
     norm_eps: float = _f(1e-5, "RMSNorm epsilon", gt=0)
     init_std: float = _f(0.02, "std of the normal initialisation", gt=0)
-    image_size: int = _f(8, "vit: image height and width in pixels (digits: 8)")
+    image_size: int = _f(8, "vit, resnet: image height and width in pixels (digits: 8)")
     patch_size: int = _f(2, "vit: patch height and width; (image_size/patch_size)^2 patches")
-    channels: int = _f(1, "vit: image channels")
-    n_classes: int = _f(10, "vit: classes of the classifier head")
+    channels: int = _f(1, "vit, resnet: image channels (digits: 1)")
+    n_classes: int = _f(10, "vit, resnet: classes of the classifier head")
+    base_channels: int = _f(16, "resnet, unet: channels at full resolution (doubled at each halving "
+                                "of the resolution)")
+    norm_groups: int = _f(4, "unet: GroupNorm groups (tensor parallelism must divide them)")
     init_from: str = _f("", "initialise the weights from this instead of randomly: a Hugging Face Llama folder "
                             "(config.json + safetensors), a `hybridpar import-hf` folder, or a .safetensors/.pt "
                             "file of full tensors under our names; model fields must match it")
@@ -149,7 +154,11 @@ class TrainConfig:
 @dataclass(frozen=True)
 class DataConfig:
     path: str = _f("", "text file or folder; empty = the Python standard library's sources")
-    val_fraction: float = _f(0.05, "tail fraction of the tokens held out for validation", gt=0, lt=1)
+    val_fraction: float = _f(0.05, "tail fraction of the tokens (or images) held out for validation", gt=0, lt=1)
+    images: str = _f("digits", "image models: scikit-learn's bundled 8x8 digits, or synthetic images of "
+                               "model.image_size (any resolution, for memory and speed measurements)",
+                     choices=("digits", "synthetic"))
+    n_images: int = _f(4096, "data.images=synthetic: how many images")
 
 
 @dataclass(frozen=True)
@@ -343,7 +352,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                 ("model", m, "n_kv_heads"), ("model", m, "d_ff"), ("model", m, "vocab_size"),
                 ("model", m, "seq_len"), ("parallel", p, "dp"), ("parallel", p, "tp"),
                 ("parallel", p, "pp"), ("parallel", p, "microbatches"), ("train", t, "steps"),
-                ("train", t, "global_batch")]
+                ("train", t, "global_batch"), ("model", m, "image_size"), ("model", m, "channels"),
+                ("model", m, "n_classes"), ("data", cfg.data, "n_images")]
     for sec, obj, name in positive:
         if getattr(obj, name) < 1:
             raise ConfigError(f"{sec}.{name}={getattr(obj, name)} must be at least 1")
@@ -354,9 +364,11 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         pass  # a user's model: its spec is checked when it is loaded (before any process starts)
     elif m.name == "vit":
         _validate_vit(m, p)
+    elif m.name in ("resnet", "unet"):
+        _validate_cnn(m, p)
     else:
         _validate_llama(m, p)
-    if not m.spec and p.pp > m.n_layers:
+    if not m.spec and m.name != "unet" and p.pp > m.n_layers:
         raise ConfigError(f"parallel.pp={p.pp} exceeds model.n_layers={m.n_layers}; "
                           f"each stage needs at least one layer (pp <= {m.n_layers})")
     _validate_rest(cfg, world_size)
@@ -374,6 +386,24 @@ def _validate_vit(m: ModelConfig, p: ParallelConfig) -> None:
     if p.sequence_parallel and p.tp > 1 and ((m.image_size // m.patch_size) ** 2 + 1) % p.tp:
         raise ConfigError(f"parallel.sequence_parallel splits the {(m.image_size // m.patch_size) ** 2 + 1} "
                           f"tokens (patches + class token) over tp={p.tp}, which must divide them")
+
+
+def _validate_cnn(m: ModelConfig, p: ParallelConfig) -> None:
+    if m.base_channels < 1 or m.base_channels % p.tp:
+        raise ConfigError(f"parallel.tp={p.tp} must divide model.base_channels={m.base_channels} "
+                          f"(tensor parallelism splits every block's channels); valid tp: "
+                          f"{', '.join(map(str, _divisors(max(m.base_channels, 1))))}")
+    if m.name == "unet":
+        if m.image_size % 4:
+            raise ConfigError(f"model.image_size={m.image_size}: the unet halves it twice, so it "
+                              f"must be a multiple of 4")
+        if m.norm_groups < 1 or m.base_channels % m.norm_groups or m.norm_groups % p.tp:
+            raise ConfigError(f"model.norm_groups={m.norm_groups} must divide model.base_channels="
+                              f"{m.base_channels} and be divisible by parallel.tp={p.tp} (each tp "
+                              f"rank normalises whole groups)")
+    if p.sequence_parallel and p.tp > 1:
+        raise ConfigError(f"parallel.sequence_parallel splits activations along dim 1, the channels "
+                          f"of a CNN; turn it off for model.name={m.name}")
 
 
 def _validate_llama(m: ModelConfig, p: ParallelConfig) -> None:

@@ -14,7 +14,7 @@ import torch
 
 from .data import DataError
 
-__all__ = ["ImageDataset", "digits", "synthetic"]
+__all__ = ["ImageDataset", "DenoisingDataset", "digits", "synthetic", "denoising_digits", "images_for"]
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,10 @@ class ImageDataset:
         else:
             rows = pos % n
         return torch.from_numpy(images[rows]), torch.from_numpy(labels[rows])
+
+    def max_batches(self, split: str, global_batch_size: int) -> int:
+        """Whole global batches in ``split`` without repeating an image (evaluation stops there)."""
+        return len(getattr(self, split)[1]) // global_batch_size
 
     def describe(self) -> str:
         (xt, _), (xv, _) = self.train, self.val
@@ -75,3 +79,45 @@ def synthetic(*, n: int, image_size: int, channels: int, n_classes: int, seed: i
         sel = labels == c
         images[sel, :, c * band:(c + 1) * band, :] += 0.5
     return _split(images, labels, val_fraction, f"synthetic {image_size}x{image_size}")
+
+
+@dataclass(frozen=True)
+class DenoisingDataset:
+    """(noisy image, clean image) pairs: the images of ``base`` plus Gaussian noise of std
+    ``sigma`` drawn from a generator seeded by (seed, split, step), so that the batch of a step
+    stays a pure function of (data, seed, step)."""
+
+    base: ImageDataset
+    sigma: float = 0.5
+
+    def batch(self, split: str, step: int, *, seed: int, global_batch_size: int,
+              seq_len: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        clean, _ = self.base.batch(split, step, seed=seed, global_batch_size=global_batch_size)
+        g = torch.Generator().manual_seed(int(np.random.default_rng([seed, step, split == "val"]).integers(2 ** 62)))
+        return clean + self.sigma * torch.randn(clean.shape, generator=g), clean
+
+    def max_batches(self, split: str, global_batch_size: int) -> int:
+        return self.base.max_batches(split, global_batch_size)
+
+    def describe(self) -> str:
+        return f"{self.base.describe()}, noise std {self.sigma}"
+
+
+def images_for(cfg) -> ImageDataset:
+    """The labelled images a classifier of ``cfg.model`` trains on: ``data.images`` = digits
+    (8x8, 1 channel) or synthetic (model.image_size, model.channels, model.n_classes)."""
+    m, d = cfg.model, cfg.data
+    if d.images == "synthetic":
+        return synthetic(n=d.n_images, image_size=m.image_size, channels=m.channels,
+                         n_classes=m.n_classes, seed=0, val_fraction=d.val_fraction)
+    if (m.image_size, m.channels) != (8, 1) or m.n_classes < 10:
+        raise DataError(f"the digits are 8x8 grey images of 10 classes: set model.image_size=8, "
+                        f"model.channels=1, model.n_classes>=10, or use data.images=synthetic "
+                        f"(any size; got image_size={m.image_size}, channels={m.channels}, "
+                        f"n_classes={m.n_classes})")
+    return digits(val_fraction=d.val_fraction)
+
+
+def denoising_digits(cfg) -> DenoisingDataset:
+    """The images of ``images_for(cfg)`` with noise, for the denoising UNet."""
+    return DenoisingDataset(images_for(cfg))

@@ -1,5 +1,5 @@
-"""Models described to the engine by a ``ModelSpec`` (``spec.py``): the built-in ``llama`` and
-``vit``, or the user's own through ``model.spec = "package.module:attr"``."""
+"""Models described to the engine by a ``ModelSpec`` (``spec.py``): the built-in ``llama``,
+``vit``, ``resnet`` and ``unet``, or the user's own through ``model.spec = "package.module:attr"``."""
 from __future__ import annotations
 
 import importlib
@@ -39,5 +39,11 @@ def spec_for(m: ModelConfig) -> ModelSpec:
     if m.name == "vit":
         from .vit import vit_spec
         return vit_spec(m)
+    if m.name == "resnet":
+        from .resnet import resnet_spec
+        return resnet_spec(m)
+    if m.name == "unet":
+        from .unet import unet_spec
+        return unet_spec(m)
     from .llama import llama_spec
     return llama_spec(m)
