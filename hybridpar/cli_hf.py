@@ -44,7 +44,10 @@ def export(argv: list[str]) -> int:
                     "or a checkpoint.dir: its latest; consolidated from any layout), a hybridpar import-hf "
                     "folder, or a .safetensors/.pt file of full tensors (then give --config / --model.* fields).")
     p.add_argument("src")
-    p.add_argument("--format", default="hf", choices=["hf"], help="hf: config.json + model.safetensors")
+    p.add_argument("--format", default="auto", choices=["auto", "hf", "safetensors"],
+                   help="hf: a Hugging Face Llama folder (config.json + model.safetensors); safetensors: "
+                        "the plain model's state dict (load_state_dict) + hybridpar.toml, any model; "
+                        "auto (default): hf for the built-in llama, safetensors otherwise")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--config", help="TOML whose [model] table describes SRC (bare files only)")
     args, rest = p.parse_known_args(argv)
@@ -57,10 +60,17 @@ def export(argv: list[str]) -> int:
         raise ConfigError(f"export --out {args.out} is an existing file; give a folder path")
     if store.looks_like_checkpoint(args.src):  # model section from the checkpoint's config
         from .checkpoint import export as export_checkpoint
-        _, step = export_checkpoint(args.src, args.out)
-        print(f"wrote {args.out}/config.json and {args.out}/model.safetensors (step {step}; "
-              f"safetensors.torch.load_file or LlamaForCausalLM.from_pretrained('{args.out}'))")
+        m, step = export_checkpoint(args.src, args.out, args.format)
+        if args.format == "hf" or (args.format == "auto" and m.name == "llama" and not m.spec):
+            print(f"wrote {args.out}/config.json and {args.out}/model.safetensors (step {step}; "
+                  f"safetensors.torch.load_file or LlamaForCausalLM.from_pretrained('{args.out}'))")
+        else:
+            print(f"wrote {args.out}/model.safetensors and {args.out}/hybridpar.toml (step {step}; "
+                  f"model.load_state_dict(safetensors.torch.load_file(...)))")
         return 0
+    if args.format == "safetensors":
+        raise ConfigError("export --format safetensors takes a training checkpoint; "
+                          f"{args.src} is not one")
     base = _base_model(args.config, rest)
     m = hf.source_config(args.src, base) or base
     if m is None:
@@ -104,7 +114,7 @@ def generate(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="hybridpar-generate-") as tmp:
         src = args.src
         if store.looks_like_checkpoint(src):  # consolidate the shards of any layout first
-            export_checkpoint(src, tmp)
+            export_checkpoint(src, tmp, "hf")
             src = tmp
         text = complete(src, args.prompt, base=_base_model(args.config, rest),
                         max_new_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -115,6 +125,7 @@ def generate(argv: list[str]) -> int:
 
 COMMANDS = {
     "import-hf": (import_hf, "convert a Hugging Face Llama folder into a folder hybridpar trains from"),
-    "export": (export, "write weights as a Hugging Face Llama folder (--format hf)"),
+    "export": (export, "write a checkpoint's model: a Hugging Face Llama folder, or any model's "
+                       "state dict as safetensors"),
     "generate": (generate, "continue a --prompt with a model (byte-level)"),
 }
