@@ -15,7 +15,7 @@ from .config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig
 from .data import Dataset
 from .mesh import Layout, build_mesh, single_mesh
 from .models import spec_for
-from .parallelize import assemble, local_state
+from .parallelize import assemble, local_buffers, local_state
 from .train import Callbacks, train
 
 
@@ -45,6 +45,29 @@ def tiny_vit_config(*, dp=1, tp=1, pp=1, schedule="1f1b", microbatches=4, steps=
     c = tiny_config(dp=dp, tp=tp, pp=pp, schedule=schedule, microbatches=microbatches,
                     steps=steps)
     return replace(c, model=ModelConfig(**m), data=DataConfig(val_fraction=0.2))
+
+
+def tiny_resnet_config(*, dp=1, tp=1, pp=1, schedule="1f1b", microbatches=2, steps=5,
+                       **model) -> Config:
+    """A ResNet of 4 basic blocks (widths 4/8/16, BatchNorm everywhere) on the digits: the
+    pipeline boundaries shrink from (rows, 4, 8, 8) to (rows, 16, 2, 2). Two micro-batches of
+    16 images: BatchNorm divides by the batch's std, so a micro-batch of a few images would
+    amplify rounding differences between layouts beyond the engine's tolerances."""
+    c = tiny_vit_config(dp=dp, tp=tp, pp=pp, schedule=schedule, microbatches=microbatches,
+                        steps=steps)
+    m = dict(name="resnet", n_layers=4, base_channels=4)
+    m.update(model)
+    return replace(c, model=replace(c.model, **m))
+
+
+def tiny_unet_config(*, dp=1, tp=1, pp=1, schedule="1f1b", microbatches=2, steps=5,
+                     **model) -> Config:
+    """The denoising UNet (5 blocks; its stages exchange tuples of skip tensors) on noisy
+    digits, widths 4/8, GroupNorm of 2 groups."""
+    m = dict(name="unet", base_channels=4, norm_groups=2)
+    m.update(model)
+    return tiny_resnet_config(dp=dp, tp=tp, pp=pp, schedule=schedule, microbatches=microbatches,
+                              steps=steps, **m)
 
 
 def test_data(cfg: Config):
@@ -86,7 +109,18 @@ def injected(bug: str | None):
     elif bug == "bias_added_tp_times":  # row-parallel bias added on every tp rank, then summed
         import torch.nn.functional as F
         target, name = tp_apply, "_row_forward"
-        new = lambda lin, leave, x: leave(F.linear(x, lin.weight, lin.bias))  # noqa: E731
+
+        def new(lin, leave, x):
+            if isinstance(lin, tp_apply._CONV):
+                return leave(lin._conv_forward(x, lin.weight, lin.bias))
+            return leave(F.linear(x, lin.weight, lin.bias))
+    elif bug == "unsynced_batchnorm":  # BatchNorm statistics of the local rows only
+        from . import batchnorm
+        target, name = batchnorm, "batch_stats"
+        orig_stats = batchnorm.batch_stats
+
+        def new(x, group):
+            return orig_stats(x, None)
     elif bug == "swap_boundary_tuple":  # a stage sends its tuple's elements in swapped order
         target, name = PipelineRunner, "_comm"
         orig_comm = PipelineRunner._comm
@@ -145,7 +179,8 @@ def run_case(cfg: Config, *, dataset: Dataset, bug: str | None = None) -> dict:
             "val_losses": [m["val_loss"] for m in history if "val_loss" in m],
             "mem": history[-1]["mem"],
             "max_in_flight": history[-1]["max_in_flight"], "pp_rank": mesh.pp_rank,
-            "grads": grads, "params": local_state(pm_ref["pm"])}
+            "grads": grads, "params": local_state(pm_ref["pm"]),
+            "buffers": local_buffers(pm_ref["pm"])}
 
 
 def cases_worker(cases: list[tuple[str, Config, str | None]], out_dir: str) -> None:
@@ -165,12 +200,13 @@ def cases_worker(cases: list[tuple[str, Config, str | None]], out_dir: str) -> N
         dist.destroy_process_group()
 
 
-def run_cases(cases: dict[str, tuple[Config, str | None]], out_dir: str) -> dict[str, dict]:
-    """Spawn 8 ranks once, run every case ``name -> (config, injected bug)`` on them, and
-    return the merged results by name."""
+def run_cases(cases: dict[str, tuple[Config, str | None]], out_dir: str, *,
+              world: int = 8) -> dict[str, dict]:
+    """Spawn ``world`` ranks once, run every case ``name -> (config, injected bug)`` on them,
+    and return the merged results by name."""
     from .launch import spawn
 
-    spawn(cases_worker, 8, [(n, c, b) for n, (c, b) in cases.items()], out_dir)
+    spawn(cases_worker, world, [(n, c, b) for n, (c, b) in cases.items()], out_dir)
     return {name: load_case(out_dir, name) for name in cases}
 
 
@@ -195,7 +231,8 @@ def load_case(out_dir: str, name: str) -> dict:
             "pp_rank": {r: p["pp_rank"] for r, p in enumerate(parts)},
             "mem": {r: p["mem"] for r, p in enumerate(parts)},
             "grads": assemble([p["grads"] for p in parts]),
-            "params": assemble([p["params"] for p in parts])}
+            "params": assemble([p["params"] for p in parts]),
+            "buffers": assemble([p["buffers"] for p in parts])}
 
 
 def reference(cfg: Config, dataset: Dataset | None = None) -> dict:
@@ -209,7 +246,8 @@ def reference(cfg: Config, dataset: Dataset | None = None) -> dict:
         r = run_case(one, dataset=dataset or test_data(cfg))
     finally:
         torch.set_num_threads(threads)
-    return {**r, "grads": assemble([r["grads"]]), "params": assemble([r["params"]])}
+    return {**r, "grads": assemble([r["grads"]]), "params": assemble([r["params"]]),
+            "buffers": assemble([r["buffers"]])}
 
 
 def rel_err(a: float, b: float) -> float:

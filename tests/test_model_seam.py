@@ -34,13 +34,68 @@ def test_plan_errors_name_the_pattern_or_module():
         model = spec_for(ModelConfig(name="vit", n_layers=2, d_model=32, n_heads=8, d_ff=64)).build()
     with pytest.raises(ValueError, match="'blocks.\\*.atn' names no module"):
         check_plan(model, {"blocks.*.atn": "region"}, 2, where="vit")
-    with pytest.raises(ValueError, match="patch_embed.proj is a Conv2d, style 'colwise' needs an nn.Linear"):
-        check_plan(model, {"patch_embed.proj": "colwise"}, 2, where="vit")
+    with pytest.raises(ValueError, match="blocks.0.norm1 is a LayerNorm; style 'colwise' needs an "
+                                         "nn.Linear or nn.Conv"):
+        check_plan(model, {"blocks.0.norm1": "colwise"}, 2, where="vit")
     with pytest.raises(ValueError, match="parallel.tp=3 must divide the 64 output features of "
                                          "blocks.0.mlp.fc1 \\(colwise\\); valid tp: 1, 2, 4, 8, 16, 32, 64"):
         check_plan(model, {"blocks.*.mlp.fc1": "colwise"}, 3, where="vit")
     with pytest.raises(ValueError, match="style 'diagonal' for 'head' is unknown"):
         check_plan(model, {"head": "diagonal"}, 2, where="vit")
+
+
+def test_conv_plan_errors_before_any_process():
+    """Channels not divisible by tp, a grouped conv split like a dense one, a channelwise style
+    on a module that is not per-channel, sequence parallelism on a CNN: one line each."""
+    with torch.device("meta"):
+        resnet = spec_for(ModelConfig(name="resnet", n_layers=4, base_channels=6)).build()
+    with pytest.raises(ValueError, match=r"parallel.tp=4 must divide the 6 output channels of "
+                                         r"blocks.0.body.0 \(colwise\); valid tp: 1, 2, 3, 6"):
+        check_plan(resnet, {"blocks.*.body.0": "colwise"}, 4, where="resnet")
+    with pytest.raises(ValueError, match=r"blocks.0.body.1 \(channelwise\)"):
+        check_plan(resnet, {"blocks.*.body.1": "channelwise"}, 4, where="resnet")
+    with pytest.raises(ValueError, match="head.fc is a Linear; 'channelwise' needs a BatchNorm"):
+        check_plan(resnet, {"head.fc": "channelwise"}, 2, where="resnet")
+    with pytest.raises(ValueError, match="sequence_parallel splits activations along dim 1"):
+        check_plan(resnet, {"blocks.*.body.0": "colwise"}, 2, where="resnet", sequence_parallel=True)
+    grouped = nn.Sequential(nn.Conv2d(4, 4, 3, groups=2), nn.Conv2d(4, 4, 3, groups=4))
+    with pytest.raises(ValueError, match=r"0 is a grouped Conv \(groups=2\)"):
+        check_plan(grouped, {"0": "rowwise"}, 2)
+    check_plan(grouped, {"1": "channelwise"}, 2)  # depthwise: per channel
+    from hybridpar.config import Config, ParallelConfig, validate
+    with pytest.raises(ConfigError, match="parallel.tp=3 must divide model.base_channels=16"):
+        validate(Config(model=ModelConfig(name="resnet"), parallel=ParallelConfig(dp=1, tp=3)))
+
+
+def test_synced_batchnorm_is_torch_batchnorm_in_one_process():
+    """Our BatchNorm forward (dp group None) against torch's: outputs, input and parameter
+    gradients, running statistics in training and evaluation, BatchNorm1d/2d/3d, momentum None."""
+    from hybridpar.batchnorm import recomputing, sync_batchnorm
+
+    g = torch.Generator().manual_seed(0)
+    for cls, shape, momentum in ((nn.BatchNorm1d, (8, 3), 0.1), (nn.BatchNorm2d, (6, 4, 5, 5), 0.1),
+                                 (nn.BatchNorm3d, (4, 2, 3, 3, 3), None)):
+        ref, ours = cls(shape[1], momentum=momentum), cls(shape[1], momentum=momentum)
+        with torch.no_grad():
+            ref.weight.normal_(generator=g), ref.bias.normal_(generator=g)
+        ours.load_state_dict(ref.state_dict())
+        sync_batchnorm(ours, None)
+        for _ in range(2):  # two updates of the running statistics
+            x = torch.randn(shape, generator=g) * 3 + 5
+            xr, xo = x.clone().requires_grad_(), x.clone().requires_grad_()
+            dy = torch.randn(shape, generator=g)
+            ref(xr).backward(dy)
+            ours(xo).backward(dy)
+            torch.testing.assert_close(xo.grad, xr.grad, rtol=1e-5, atol=1e-6)
+        for name in ("weight", "bias"):
+            torch.testing.assert_close(getattr(ours, name).grad, getattr(ref, name).grad, rtol=1e-5, atol=1e-5)
+        for name in ("running_mean", "running_var", "num_batches_tracked"):
+            torch.testing.assert_close(getattr(ours, name), getattr(ref, name), rtol=1e-6, atol=1e-7)
+        with recomputing():  # a recomputation pass normalises the same and counts nothing
+            ours(x)
+        assert ours.num_batches_tracked.item() == 2
+        ref.eval(), ours.eval()
+        torch.testing.assert_close(ours(x), ref(x), rtol=1e-6, atol=1e-6)
 
 
 def test_boundaries_are_inferred_on_meta_with_tuples_and_dtypes():
@@ -90,13 +145,24 @@ def test_cli_refuses_a_bad_model_in_one_line_before_any_process(args, line):
     assert len(lines) == 1 and lines[0].startswith(line), r.stderr
 
 
-def test_a_model_with_buffers_is_refused_in_one_line():
+def test_a_model_with_buffers_outside_batchnorm_is_refused_in_one_line():
+    """BatchNorm statistics are buffers the engine knows; any other buffer (a table the
+    meta-device build cannot fill, a checkpoint would not save) is refused before any process."""
     from hybridpar.config import Config
     from hybridpar.cli import check_model
 
-    def bn_spec(cfg):
-        return ModelSpec(name="bn-net", build=lambda: nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4)),
+    class Table(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.register_buffer("scale", torch.ones(4))
+
+        def forward(self, x):
+            return self.lin(x) * self.scale
+
+    def buffer_spec(cfg):
+        return ModelSpec(name="table-net", build=lambda: nn.Sequential(nn.BatchNorm1d(4), Table()),
                          stem=(), blocks=("0", "1"), head=())
-    with pytest.raises(ConfigError, match=r"model 'bn-net' has buffers \(1.running_mean, 1.running_var, "
-                                          r"1.num_batches_tracked\), which hybridpar does not support yet"):
-        check_model(Config(), bn_spec)
+    with pytest.raises(ConfigError, match=r"model 'table-net' has buffers \(1.scale\) outside "
+                                          r"BatchNorm layers"):
+        check_model(Config(), buffer_spec)
