@@ -1,11 +1,7 @@
 """Your own model under hybridpar: a small residual CNN on the digits, trained at dp=2 x pp=2.
-
 The model is plain PyTorch; ``spec`` tells the engine where the pipeline may cut (stem, blocks,
-head), how to initialise each parameter, and what to evaluate. Its stages exchange a tuple:
-the feature map and a long skip connection from the stem to the head.
-
-    python examples/digits_cnn.py        # ~1 minute on 2 CPU cores
-    hybridpar train --model.spec=examples.digits_cnn:spec --pp 2 --model.n_layers=4 ...
+head), how to initialise each parameter and what to evaluate. Its stages exchange a tuple: the
+feature map and a long skip from the stem to the head. Run: python examples/digits_cnn.py
 """
 import math
 
@@ -59,11 +55,10 @@ class DigitsCNN(nn.Module):
         return self.head(*x)
 
 
-def init(name: str, shape: tuple, g: torch.Generator) -> torch.Tensor:
+def init(name: str, shape: tuple, g: torch.Generator) -> torch.Tensor:  # He init, zero biases
     if name.endswith("bias"):
         return torch.zeros(shape)
-    fan_in = math.prod(shape[1:])
-    return torch.randn(shape, generator=g) * math.sqrt(2.0 / fan_in)  # He init
+    return torch.randn(shape, generator=g) * math.sqrt(2.0 / math.prod(shape[1:]))
 
 
 def accuracy(logits, labels):  # (correct, count), summed over the validation set
