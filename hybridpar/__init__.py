@@ -1,23 +1,5 @@
 """hybridpar: hybrid-parallel (dp x tp x pp) training on torch.distributed."""
-import sys
-import types
-
 from .config import Config, ConfigError, load_config, validate
-
-
-class _Package(types.ModuleType):
-    """Importing the submodule ``hybridpar.train`` (the training loop) would set the package
-    attribute ``train`` to that module, hiding the function below. Keeping the function is done
-    here rather than by importing the submodule eagerly, which would import torch with the
-    package and cost seconds on every config error."""
-
-    def __setattr__(self, name, value):
-        if name == "train" and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
 
 __version__ = "0.1.0"
 
@@ -28,7 +10,7 @@ def train(config: Config | None = None, *, model=None):
     ``(ModelConfig) -> ModelSpec`` defined at module level, or ``"package.module:attr"``
     (the ranks import it; default: ``config.model``). Returns rank 0's last-step metrics (a
     dict) with ``.history`` (every step's metrics) and ``.checkpoint``."""
-    from .cli import check_model, run_train
+    from .cli.main import check_model, run_train
 
     config = config or Config()
     if model is not None and not config.model.spec:  # validate as a user model, not as Llama

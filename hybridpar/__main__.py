@@ -1,6 +1,6 @@
 """``python -m hybridpar ...`` (what torchrun runs: ``torchrun ... -m hybridpar train ...``)."""
 import sys
 
-from .cli import main
+from .cli.main import main
 
 sys.exit(main())

@@ -475,9 +475,6 @@ def _validate_rest(cfg: Config, world_size: int | None) -> None:
         raise ConfigError(f"reliability.max_consecutive_skips={r.max_consecutive_skips} must be at least 1")
     if not (r.straggler_threshold == 0 or r.straggler_threshold > 1):
         raise ConfigError(f"reliability.straggler_threshold={r.straggler_threshold} must be > 1 (0 disables)")
-    if m.init_from:  # reads only config files, so a mismatch fails before any process starts
-        from .hf import check_matches
-        check_matches(m, m.init_from)
     import importlib.util
     for name, value, package, use, extra in (
             ("tensorboard", t.tensorboard, "tensorboard", "needs the tensorboard package", "tensorboard"),

@@ -12,11 +12,11 @@ import torch
 import torch.distributed as dist
 
 from .config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig
-from .data import Dataset
-from .mesh import Layout, build_mesh, single_mesh
+from .engine.data import Dataset
+from .parallel.mesh import Layout, build_mesh, single_mesh
 from .models import spec_for
-from .parallelize import assemble, local_buffers, local_state
-from .train import Callbacks, train
+from .parallel.parallelize import assemble, local_buffers, local_state
+from .engine.train import Callbacks, train
 
 
 def tiny_config(*, dp=1, tp=1, pp=1, schedule="1f1b", microbatches=4, steps=5, order="tp-dp-pp",
@@ -76,7 +76,7 @@ def test_data(cfg: Config):
     spec = spec_for(cfg.model)
     if spec.data == "text":
         return tiny_dataset()
-    from .data import load_data
+    from .engine.data import load_data
     return load_data(cfg, spec)
 
 
@@ -100,9 +100,9 @@ def injected(bug: str | None):
     if bug is None:
         yield
         return
-    from .data_parallel import GradSync
-    from .pipeline.runtime import PipelineRunner
-    from .tensor_parallel import apply as tp_apply
+    from .parallel.data_parallel import GradSync
+    from .parallel.pipeline.runtime import PipelineRunner
+    from .parallel.tensor_parallel import apply as tp_apply
 
     if bug == "drop_tp_allreduce":  # row-parallel output not summed over tp
         target, name, new = tp_apply, "reduce_from_tp", lambda x, group: x
@@ -115,7 +115,7 @@ def injected(bug: str | None):
                 return leave(lin._conv_forward(x, lin.weight, lin.bias))
             return leave(F.linear(x, lin.weight, lin.bias))
     elif bug == "unsynced_batchnorm":  # BatchNorm statistics of the local rows only
-        from . import batchnorm
+        from .parallel import batchnorm
         target, name = batchnorm, "batch_stats"
         orig_stats = batchnorm.batch_stats
 
@@ -204,7 +204,7 @@ def run_cases(cases: dict[str, tuple[Config, str | None]], out_dir: str, *,
               world: int = 8) -> dict[str, dict]:
     """Spawn ``world`` ranks once, run every case ``name -> (config, injected bug)`` on them,
     and return the merged results by name."""
-    from .launch import spawn
+    from .engine.launch import spawn
 
     spawn(cases_worker, world, [(n, c, b) for n, (c, b) in cases.items()], out_dir)
     return {name: load_case(out_dir, name) for name in cases}

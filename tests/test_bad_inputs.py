@@ -1,6 +1,6 @@
 """Every bad input gives one clear line, a non-zero exit and no Python traceback.
 
-The table runs through the real CLI entry (``hybridpar.cli.main``) in this process, where no
+The table runs through the real CLI entry (``hybridpar.cli.main.main``) in this process, where no
 rank is ever started: ``spawn`` and the worker are replaced by a function that fails the test,
 so a check that let a bad input through cannot start a training run. A few cases run as real
 subprocesses (``python -m hybridpar``, and under torchrun) to check the whole path, stderr included.
@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from hybridpar import cli
+from hybridpar.cli import main as cli
 
 # (case id, argv after "train" with {d} = a folder of prepared files, expected text in the error)
 CASES = [
@@ -127,7 +127,7 @@ def files(tmp_path_factory):
     import torch
 
     from hybridpar.config import ModelConfig
-    from hybridpar.model import Transformer
+    from hybridpar.models.transformer import Transformer
 
     other = Transformer(ModelConfig(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, d_ff=128))
     torch.save({k: v.detach() for k, v in other.state_dict().items()}, d / "other.pt")
@@ -140,7 +140,7 @@ def no_training(monkeypatch):
     def started(*a, **k):
         raise AssertionError("a training process was started for a bad input")
 
-    monkeypatch.setattr("hybridpar.launch.spawn", started)
+    monkeypatch.setattr("hybridpar.engine.launch.spawn", started)
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "HYBRIDPAR_FAULT"):
         monkeypatch.delenv(var, raising=False)
     return monkeypatch

@@ -26,10 +26,11 @@ import torch
 import torch.distributed as dist
 
 from hybridpar import checkpoint
+from hybridpar.interop.export import export
 from hybridpar.checkpoint import CheckpointError
 from hybridpar.checkpoint.state import Moments
-from hybridpar.mesh import Layout, build_mesh, single_mesh
-from hybridpar.parallelize import assemble, local_state
+from hybridpar.parallel.mesh import Layout, build_mesh, single_mesh
+from hybridpar.parallel.parallelize import assemble, local_state
 from hybridpar.testing import rel_err, tiny_config, tiny_dataset
 
 STEPS, SAVE_AT = 10, 5
@@ -59,7 +60,7 @@ def _mesh(cfg):
 
 
 def _layouts_worker(root: str, out: str) -> None:
-    from hybridpar.train import Callbacks, Trainer, train
+    from hybridpar.engine.train import Callbacks, Trainer, train
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -106,7 +107,7 @@ def _layouts_worker(root: str, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def layouts(tmp_path_factory):
-    from hybridpar.launch import spawn
+    from hybridpar.engine.launch import spawn
 
     tmp = tmp_path_factory.mktemp("ckpt-layouts")
     spawn(_layouts_worker, 8, str(tmp / "ck"), str(tmp))
@@ -192,7 +193,7 @@ def test_zero1_saves_what_it_loaded(layouts):
 
 
 def test_single_process_loads_and_continues(layouts):
-    from hybridpar.train import Trainer
+    from hybridpar.engine.train import Trainer
 
     root, parts = layouts
     torch.set_num_threads(1)
@@ -209,7 +210,7 @@ def test_single_process_loads_and_continues(layouts):
 # ---- one process: atomic commit, damage, another model, export --------------------------------
 
 def _small(root, **model):
-    from hybridpar.train import Trainer
+    from hybridpar.engine.train import Trainer
 
     torch.set_num_threads(1)
     cfg = tiny_config(steps=6, microbatches=1, **{"n_layers": 2, **model})
@@ -284,7 +285,7 @@ def test_damaged_shard_is_named(saved2, tmp_path, how, word):
     with pytest.raises(CheckpointError, match=rf"__0_0\.distcp is {word}"):
         checkpoint.load(t, copy)
     with pytest.raises(CheckpointError, match=rf"{copy}.*__0_0\.distcp"):
-        checkpoint.export(copy, tmp_path / "out")
+        export(copy, tmp_path / "out")
 
 
 def test_other_model_is_refused_naming_shapes(saved2, tmp_path):
@@ -301,7 +302,7 @@ def test_other_model_is_refused_naming_shapes(saved2, tmp_path):
 
 
 def test_existing_checkpoints_are_not_overwritten_without_resume(saved2):
-    from hybridpar.train import Trainer
+    from hybridpar.engine.train import Trainer
 
     _, root, _ = saved2
     cfg = tiny_config(steps=6, n_layers=2, microbatches=1)
@@ -312,8 +313,8 @@ def test_existing_checkpoints_are_not_overwritten_without_resume(saved2):
 def test_export_is_plain_safetensors_and_config(saved2, tmp_path):
     from safetensors.torch import load_file
 
-    from hybridpar.cli import main
-    from hybridpar.hf import hf_name
+    from hybridpar.cli.main import main
+    from hybridpar.interop.hf import hf_name
 
     _, root, want = saved2
     assert main(["export", str(root), "--out", str(tmp_path / "hf")]) == 0
@@ -325,8 +326,8 @@ def test_export_is_plain_safetensors_and_config(saved2, tmp_path):
 
 
 def test_generate_reads_a_training_checkpoint(saved2, tmp_path, capsys):
-    from hybridpar.cli import main
-    from hybridpar.generate import complete
+    from hybridpar.cli.main import main
+    from hybridpar.interop.generate import complete
 
     _, root, _ = saved2
     assert main(["export", str(root), "--out", str(tmp_path / "hf")]) == 0

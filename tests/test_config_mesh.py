@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from hybridpar.config import Config, ConfigError, load_config, pp_split, validate
-from hybridpar.mesh import Layout
+from hybridpar.parallel.mesh import Layout
 
 
 def test_toml_then_overrides(tmp_path):

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from hybridpar import data
-from hybridpar.data import (DataError, global_batch, load_dataset, local_batch, microbatches,
+from hybridpar.engine import data
+from hybridpar.engine.data import (DataError, global_batch, load_dataset, local_batch, microbatches,
                             read_user_data, shard_rows, split_tokens, val_batches)
 
 SEQ = 16

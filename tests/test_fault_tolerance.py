@@ -53,10 +53,10 @@ def test_sigkilled_rank_restarts_and_resumes(tmp_path):
     assert steps[restart:] == list(range(last_saved + 1, STEPS + 1)), steps
     assert (ck / "latest").read_text().strip() == f"step_{STEPS:06d}"
 
-    from hybridpar.cli import parse_train_args
-    from hybridpar.data import load_dataset
-    from hybridpar.mesh import single_mesh
-    from hybridpar.train import Trainer
+    from hybridpar.cli.main import parse_train_args
+    from hybridpar.engine.data import load_dataset
+    from hybridpar.parallel.mesh import single_mesh
+    from hybridpar.engine.train import Trainer
 
     torch.set_num_threads(1)  # as the ranks ran
     cfg = parse_train_args(args)

@@ -23,7 +23,7 @@ import torch
 
 pytest.importorskip("safetensors")
 
-from hybridpar import hf  # noqa: E402
+from hybridpar.interop import hf  # noqa: E402
 from hybridpar.config import Config, ConfigError, ParallelConfig, TrainConfig, validate  # noqa: E402
 
 SEQ, BATCH = 32, 2
@@ -105,8 +105,8 @@ def _stage_logits(pm, x: torch.Tensor):
 def _worker(dirs: dict[str, str], out_dir: str) -> None:
     import torch.distributed as dist
 
-    from hybridpar.mesh import Layout, build_mesh
-    from hybridpar.parallelize import parallelize
+    from hybridpar.parallel.mesh import Layout, build_mesh
+    from hybridpar.parallel.parallelize import parallelize
     from hybridpar.testing import run_case, tiny_dataset
 
     torch.set_num_threads(1)
@@ -117,7 +117,7 @@ def _worker(dirs: dict[str, str], out_dir: str) -> None:
         for kind, (dp, tp, pp) in LAYOUTS:
             cfg = replace(_train_cfg(dirs[kind]), parallel=ParallelConfig(dp=dp, tp=tp, pp=pp))
             mesh = build_mesh(Layout(dp, tp, pp), torch.device("cpu"), embed_group=cfg.model.tie_embeddings)
-            pm = parallelize(cfg, mesh)
+            pm = parallelize(cfg, mesh, init_state=hf.open_state(cfg.model.init_from))
             with torch.no_grad():
                 logits = _stage_logits(pm, x)
             if logits is not None:
@@ -131,7 +131,7 @@ def _worker(dirs: dict[str, str], out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def layout_results(hf_dirs, tmp_path_factory):
-    from hybridpar.launch import spawn
+    from hybridpar.engine.launch import spawn
 
     out = tmp_path_factory.mktemp("hf-layouts")
     spawn(_worker, 4, {k: v[0] for k, v in hf_dirs.items()}, str(out))
@@ -142,9 +142,9 @@ def layout_results(hf_dirs, tmp_path_factory):
 
 @pytest.mark.parametrize("kind", ["untied", "tied"])
 def test_single_process_logits_equal_transformers(hf_dirs, kind):
-    from hybridpar.generate import load_model
-    from hybridpar.mesh import single_mesh
-    from hybridpar.parallelize import parallelize
+    from hybridpar.interop.generate import load_model
+    from hybridpar.parallel.mesh import single_mesh
+    from hybridpar.parallel.parallelize import parallelize
 
     folder, want = hf_dirs[kind]
     got = load_model(folder)(_tokens())
@@ -152,7 +152,7 @@ def test_single_process_logits_equal_transformers(hf_dirs, kind):
     print(f"{kind} single process: max |logit diff| / max |logit| = {err:.2e}")
     assert err <= SINGLE_RTOL
     # the training path (parallelize + model.init_from) builds the very same model
-    pm = parallelize(_train_cfg(folder), single_mesh())
+    pm = parallelize(_train_cfg(folder), single_mesh(), init_state=hf.open_state(folder))
     with torch.no_grad():
         assert _rel(pm.module(_tokens()), want) <= SINGLE_RTOL
 
@@ -175,7 +175,7 @@ def test_layout_logits_equal_transformers(hf_dirs, layout_results, kind, layout)
 def test_training_from_import_starts_at_transformers_loss(hf_dirs, layout_results):
     """Step-1 loss of a (2,2,1) run initialised from the HF folder = HF's own loss on that batch,
     and its losses follow the single-process run from the same folder."""
-    from hybridpar import data
+    from hybridpar.engine import data
     from hybridpar.testing import reference, tiny_dataset
 
     folder = hf_dirs["untied"][0]
@@ -237,7 +237,7 @@ def test_sharded_hf_folder_reads_the_same_tensors(hf_dirs, tmp_path):
 def test_rope_layout_matters(hf_dirs):
     """Permuting q/k rows into the interleaved RoPE layout (Meta's original checkpoints) must
     break the logits: the parity above really checks that no permutation is needed."""
-    from hybridpar.generate import load_model
+    from hybridpar.interop.generate import load_model
 
     folder, want = hf_dirs["untied"]
     model = load_model(folder)
@@ -256,18 +256,21 @@ def test_rope_layout_matters(hf_dirs):
 
 def test_mismatched_model_fields_fail_before_any_process(hf_dirs):
     folder = hf_dirs["untied"][0]
+    from hybridpar.cli.main import check_model
+
     cfg = _train_cfg(folder)
     validate(cfg)
+    check_model(cfg)
     bad = replace(cfg, model=replace(cfg.model, n_kv_heads=8))
     with pytest.raises(ConfigError, match=r"model.n_kv_heads=8 but model.init_from=.* has n_kv_heads=4"):
-        validate(bad)
+        check_model(bad)
     with pytest.raises(ConfigError, match="model.init_from: .* does not exist"):
-        validate(replace(cfg, model=replace(cfg.model, init_from=folder + "-missing")))
+        check_model(replace(cfg, model=replace(cfg.model, init_from=folder + "-missing")))
 
 
 def test_cli_import_export_generate(hf_dirs, tmp_path, capsys):
-    from hybridpar.cli import main
-    from hybridpar.generate import encode, generate, load_model
+    from hybridpar.cli.main import main
+    from hybridpar.interop.generate import encode, generate, load_model
 
     folder, _ = hf_dirs["untied"]
     out = tmp_path / "imported"

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from hybridpar.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig
-from hybridpar.mesh import Layout, ParallelMesh
-from hybridpar.tb import flops_per_token, matmul_params, rank_logger, rank_prefix
+from hybridpar.parallel.mesh import Layout, ParallelMesh
+from hybridpar.engine.tb import rank_logger, rank_prefix
+from hybridpar.models.llama import flops_per_token, matmul_params
 
 STEPS = 4
 TINY = ModelConfig(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, seq_len=32)
@@ -31,7 +32,7 @@ def test_python_api_writes_tensorboard_events_on_rank0_only(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     import hybridpar
-    import hybridpar.train  # noqa: F401  the submodule of the same name must not hide the API
+    import hybridpar.engine.train  # noqa: F401  the submodule of the same name must not hide the API
 
     assert callable(hybridpar.train)
     logdir, metrics = tmp_path / "tb", tmp_path / "m.jsonl"
@@ -66,7 +67,7 @@ def test_flops_per_token_matches_torch_flop_counter():
     term 12 L d T (QK^T and AV, PaLM) is added by formula (the CPU counter skips SDPA)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from hybridpar.model import Transformer
+    from hybridpar.models.transformer import Transformer
 
     model = Transformer(TINY)
     x = torch.randint(0, 256, (1, TINY.seq_len))

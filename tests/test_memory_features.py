@@ -20,12 +20,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-from hybridpar.amp import LossScaler
-from hybridpar.launch import spawn
-from hybridpar.mesh import single_mesh
+from hybridpar.parallel.amp import LossScaler
+from hybridpar.engine.launch import spawn
+from hybridpar.parallel.mesh import single_mesh
 from hybridpar.testing import (cases_worker, load_case, max_rel_tensor_err, reference, rel_err,
                                tiny_config, tiny_dataset)
-from hybridpar.train import Trainer
+from hybridpar.engine.train import Trainer
 
 
 def mk(dp, tp, pp, *, precision="fp32", model=None, **par):

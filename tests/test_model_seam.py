@@ -12,8 +12,8 @@ from torch import nn
 
 from hybridpar.config import ConfigError, ModelConfig
 from hybridpar.models import ModelSpec, resolve, spec_for
-from hybridpar.pipeline.boundaries import TensorMeta, check_boundary, infer_boundaries
-from hybridpar.tensor_parallel.apply import check_plan
+from hybridpar.parallel.pipeline.boundaries import TensorMeta, check_boundary, infer_boundaries
+from hybridpar.parallel.tensor_parallel.apply import check_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -70,7 +70,7 @@ def test_conv_plan_errors_before_any_process():
 def test_synced_batchnorm_is_torch_batchnorm_in_one_process():
     """Our BatchNorm forward (dp group None) against torch's: outputs, input and parameter
     gradients, running statistics in training and evaluation, BatchNorm1d/2d/3d, momentum None."""
-    from hybridpar.batchnorm import recomputing, sync_batchnorm
+    from hybridpar.parallel.batchnorm import recomputing, sync_batchnorm
 
     g = torch.Generator().manual_seed(0)
     for cls, shape, momentum in ((nn.BatchNorm1d, (8, 3), 0.1), (nn.BatchNorm2d, (6, 4, 5, 5), 0.1),
@@ -149,7 +149,7 @@ def test_a_model_with_buffers_outside_batchnorm_is_refused_in_one_line():
     """BatchNorm statistics are buffers the engine knows; any other buffer (a table the
     meta-device build cannot fill, a checkpoint would not save) is refused before any process."""
     from hybridpar.config import Config
-    from hybridpar.cli import check_model
+    from hybridpar.cli.main import check_model
 
     class Table(nn.Module):
         def __init__(self):

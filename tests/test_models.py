@@ -225,7 +225,7 @@ def test_resnet_checkpoint_exports_the_plain_state_dict(results, tmp_path):
     state dict, BatchNorm statistics included, that ``load_state_dict`` takes strictly."""
     from safetensors.torch import load_file
 
-    from hybridpar.checkpoint import export
+    from hybridpar.interop.export import export
     from hybridpar.models import spec_for
 
     cfg = results["ckpt-resnet-config-1x1x1"]

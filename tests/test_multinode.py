@@ -109,7 +109,7 @@ def _launch(hosts, data: str, metrics: str, tmp_path) -> None:
 
 def test_two_hosts_dp2_tp2_equal_single_process(two_hosts, tmp_path):
     import hybridpar
-    from hybridpar.cli import parse_train_args
+    from hybridpar.cli.main import parse_train_args
 
     data = tmp_path / "corpus.txt"
     data.write_text("".join(f"def f{i}(dp, tp, pp):\n    return dp * tp * pp + {i}\n" for i in range(400)))
@@ -136,7 +136,7 @@ def test_two_hosts_dp2_tp2_equal_single_process(two_hosts, tmp_path):
     # most a few times that: with tp inside the hosts nothing else big crosses (measured 1.07x:
     # TCP headers, rendezvous), while a tp group split across hosts would add the activation
     # all-reduces (measured 5.3x for this model with --parallel.order=dp-tp-pp).
-    from hybridpar.model import count_params
+    from hybridpar.models.transformer import count_params
 
     grad_bytes = STEPS * 4 * count_params(cfg.model)
     for host, n in sent.items():

@@ -7,10 +7,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from hybridpar import tb
-from hybridpar.cli import main
+from hybridpar.models.llama import flops_per_token
+from hybridpar.cli.main import main
 from hybridpar.config import ModelConfig
-from hybridpar.pipeline.schedules import build, in_flight
+from hybridpar.parallel.pipeline.schedules import build, in_flight
 from hybridpar.planner import timing
 from hybridpar.planner.cluster import PRESETS, Cluster, Link, load_cluster, load_profile, save_profile
 from hybridpar.planner.costs import (Plan, activations, collective_time, layer_flops, memory,
@@ -29,7 +29,7 @@ def test_layer_flops_by_hand():
     assert layer_flops(SMALL, 10) == 10 * per_token
     assert layer_flops(SMALL, 10, tp=2) == 10 * per_token / 2
     n = 3 * SMALL.seq_len
-    assert step_flops(SMALL, 3) == pytest.approx(tb.flops_per_token(SMALL) * n)
+    assert step_flops(SMALL, 3) == pytest.approx(flops_per_token(SMALL) * n)
 
 
 def test_ring_bytes_and_alpha_beta():
@@ -83,7 +83,7 @@ def test_extrapolation_equals_full_simulation():
     fwd, bwd = (1.0, 1.1, 1.0, 1.3), (2.0, 2.2, 2.0, 2.6)
     span, _, _, how = timing._makespan("1f1b", p, M, 1, fwd, bwd, 0.1, False)
     assert how == "extrapolate"
-    from hybridpar.pipeline.simulate import simulate
+    from hybridpar.parallel.pipeline.simulate import simulate
     full = simulate(build("1f1b", p, M), p, 1, duration=lambda r, a: (fwd if a.op.value == "F" else bwd)[r],
                     comm_time=lambda r, a: 0.1)
     assert span == pytest.approx(full.makespan, rel=1e-9)
@@ -106,10 +106,10 @@ def test_zero1_shards_optimizer_over_dp():
 
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 def test_activation_bytes_match_the_runtime_meter(recompute):
-    from hybridpar.memory import ActivationMeter
-    from hybridpar.model import Transformer
+    from hybridpar.parallel.memory import ActivationMeter
+    from hybridpar.models.transformer import Transformer
     from hybridpar.models import spec_for
-    from hybridpar.parallelize import apply_recompute
+    from hybridpar.parallel.parallelize import apply_recompute
 
     torch.manual_seed(0)
     model = Transformer(SMALL)
@@ -206,7 +206,7 @@ def test_apply_refuses_a_multi_node_plan(capsys):
 
 
 def test_alpha_beta_fit_recovers_a_line():
-    from hybridpar.planner.calibrate import _fit
+    from hybridpar.tools.calibrate import _fit
 
     alpha, beta = _fit([(b, 2e-4 + b * 1e-9) for b in (4e3, 6.4e4, 5e5, 2e6, 8e6)])
     assert alpha == pytest.approx(2e-4, rel=1e-6) and beta == pytest.approx(1e-9, rel=1e-6)

@@ -11,12 +11,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hybridpar import data
-from hybridpar.model import Transformer
+from hybridpar.engine import data
+from hybridpar.models.transformer import Transformer
 from hybridpar.models import spec_for
-from hybridpar.parallelize import init_full
+from hybridpar.parallel.parallelize import init_full
 from hybridpar.testing import reference, rel_err, tiny_config, tiny_dataset
-from hybridpar.train import lr_at
+from hybridpar.engine.train import lr_at
 
 
 def plain_loop(cfg, dataset):

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridpar.errors import EXIT_ABORTED, EXIT_WATCHDOG, parse_faults
-from hybridpar.mesh import Layout
-from hybridpar.watchdog import Activity, describe, diagnose, find_straggler
+from hybridpar.reliability.errors import EXIT_ABORTED, EXIT_WATCHDOG, parse_faults
+from hybridpar.parallel.mesh import Layout
+from hybridpar.reliability.watchdog import Activity, describe, diagnose, find_straggler
 
 WORLD, HANG_RANK, HANG_STEP, HANG_MB, DEADLINE = 8, 5, 2, 1, 5.0
 NAN_RANK, SLOW_RANK = 3, 6
@@ -49,10 +49,10 @@ def _cases():
 
 
 def _run_case(cfg, fault):
-    from hybridpar.errors import FAULT_ENV, NonFiniteError
-    from hybridpar.mesh import build_mesh
+    from hybridpar.reliability.errors import FAULT_ENV, NonFiniteError
+    from hybridpar.parallel.mesh import build_mesh
     from hybridpar.testing import tiny_dataset
-    from hybridpar.train import Callbacks, train
+    from hybridpar.engine.train import Callbacks, train
 
     os.environ[FAULT_ENV] = fault
     mesh = build_mesh(LAYOUT, torch.device("cpu"))
@@ -75,8 +75,8 @@ def _run_case(cfg, fault):
 
 def _hang_in_forward(rank: int, stamp: Path) -> None:
     """Rank HANG_RANK sleeps forever in forward of mb HANG_MB at step HANG_STEP."""
-    from hybridpar.pipeline.runtime import PipelineRunner
-    from hybridpar.watchdog import activity
+    from hybridpar.parallel.pipeline.runtime import PipelineRunner
+    from hybridpar.reliability.watchdog import activity
 
     orig = PipelineRunner._forward
 
@@ -96,9 +96,9 @@ def _worker(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
     from hybridpar.config import ReliabilityConfig
-    from hybridpar.mesh import build_mesh
+    from hybridpar.parallel.mesh import build_mesh
     from hybridpar.testing import tiny_config, tiny_dataset
-    from hybridpar.train import train
+    from hybridpar.engine.train import train
 
     log = open(Path(out, f"stderr-rank{rank}.txt"), "w")
     os.dup2(log.fileno(), 2)
@@ -122,7 +122,7 @@ def _worker(rank: int, port: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def group(tmp_path_factory):
     """Run the 8 ranks; returns (out dir, {rank: exit code}, {rank: exit time}, hang start)."""
-    from hybridpar.launch import free_port
+    from hybridpar.engine.launch import free_port
 
     out, port = tmp_path_factory.mktemp("reliability"), free_port()
     ctx = mp.get_context("spawn")
@@ -351,7 +351,7 @@ class _ChildFailed:
 
 
 def test_describe_failure_names_the_root_cause_not_its_victims():
-    from hybridpar.launch import describe_failure
+    from hybridpar.engine.launch import describe_failure
 
     lost = "RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:702"
     # the raising rank wins over earlier-stamped victims (whole-second timestamps tie anyway)

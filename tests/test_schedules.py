@@ -1,10 +1,10 @@
 """Pure tests of the pipeline schedules and of the simulator that validates and times them."""
 import pytest
 
-from hybridpar.pipeline.schedules import (
+from hybridpar.parallel.pipeline.schedules import (
     Action, Op, build, forward_only, gpipe, in_flight, interleaved_1f1b, one_f_one_b, steps,
 )
-from hybridpar.pipeline.simulate import ScheduleError, check, simulate
+from hybridpar.parallel.pipeline.simulate import ScheduleError, check, simulate
 
 A = Action
 F, B = Op.FWD, Op.BWD

@@ -12,8 +12,8 @@ from dataclasses import replace
 
 import pytest
 
-from hybridpar.cli import main as cli_main
-from hybridpar.launch import spawn
+from hybridpar.cli.main import main as cli_main
+from hybridpar.engine.launch import spawn
 from hybridpar.testing import cases_worker, tiny_config
 
 PP, M, STEPS = 2, 4, 2
@@ -115,9 +115,9 @@ def test_bubble_of_simulated_1f1b_is_the_theory():
     """Events of the simulator's run of 1F1B (forward 1, backward 2, free communication), fed
     through the tracer hook, must give exactly (p-1)/(m+p-1): the measurement is the theory's
     definition, not a per-rank or comm-inclusive variant."""
-    from hybridpar.pipeline.schedules import build
-    from hybridpar.pipeline.simulate import simulate
-    from hybridpar.trace import Tracer, bubble, theory
+    from hybridpar.parallel.pipeline.schedules import build
+    from hybridpar.parallel.pipeline.simulate import simulate
+    from hybridpar.engine.trace import Tracer, bubble, theory
 
     p, m = 4, 8
     sim = simulate(build("1f1b", p, m, 1), p, 1)

@@ -6,9 +6,8 @@ layout loads any checkpoint. See ``store`` for the on-disk layout and the atomic
 ``state`` for the DTensor view of the shards, ``saver`` for periodic saves and SIGTERM.
 """
 from .core import load, read_full, resume, save, verified
-from .export import export
 from .saver import Saver
 from .store import KILL_ENV, CheckpointError, latest, resolve
 
-__all__ = ["CheckpointError", "KILL_ENV", "Saver", "export", "latest", "load", "read_full", "resolve",
+__all__ = ["CheckpointError", "KILL_ENV", "Saver", "latest", "load", "read_full", "resolve",
            "resume", "save", "verified"]

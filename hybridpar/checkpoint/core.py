@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from ..watchdog import activity
+from ..reliability.watchdog import activity
 from . import store
 from .extras import RNG, TRAINER, apply_record, check_model, pick_rng, read_json, rng_state, \
     set_rng_state, trainer_record

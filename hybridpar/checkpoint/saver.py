@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..watchdog import activity
+from ..reliability.watchdog import activity
 from . import store
 from .core import save
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..parallelize import ParallelModel
+from ..parallel.parallelize import ParallelModel
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -96,7 +96,7 @@ class Moments:
 
 def _zero1_segments(pm: ParallelModel, opt: torch.optim.Optimizer):
     """(name, param, start, end, optimizer tensor) of each flat slice this dp rank owns."""
-    from ..data_parallel import _offsets
+    from ..parallel.data_parallel import _offsets
 
     names = {id(p): n for n, p in pm.named_parameters()}
     by_ptr = {t.data_ptr(): t for g in opt.param_groups for t in g["params"]}
@@ -111,7 +111,7 @@ def _zero1_segments(pm: ParallelModel, opt: torch.optim.Optimizer):
 
 def _read_zero1(pm: ParallelModel, opt: torch.optim.Optimizer) -> Moments:
     """All-gather the dp slices of the moments into per-parameter tensors (collective over dp)."""
-    from ..data_parallel import _offsets
+    from ..parallel.data_parallel import _offsets
 
     sync = pm.grad_sync
     flats = [{k: torch.zeros_like(b.param_buf) for k in MOMENTS} for b in sync.buckets]

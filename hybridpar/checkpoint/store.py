@@ -27,7 +27,7 @@ import shutil
 import signal
 from pathlib import Path
 
-from ..errors import HybridparError
+from ..reliability.errors import HybridparError
 
 MANIFEST = "manifest.json"
 LATEST = "latest"

@@ -6,8 +6,7 @@ import math
 import torch
 
 from ..config import ModelConfig
-from ..model import Transformer
-from ..tb import flops_per_token
+from .transformer import Transformer
 from .spec import CROSS_ENTROPY, ModelSpec
 
 # Megatron's plan per block: q, k, v, w1, w3 split by output features (heads / hidden units),
@@ -31,6 +30,20 @@ def init_std(cfg: ModelConfig, name: str) -> float | None:
     if name.endswith(("attn.wo.weight", "mlp.w2.weight")):
         return cfg.init_std / math.sqrt(2 * cfg.n_layers)
     return cfg.init_std
+
+
+def matmul_params(m: ModelConfig) -> int:
+    """Weights that multiply activations: every linear including the output head, not the
+    embedding lookup."""
+    hd = m.head_dim
+    per_layer = m.d_model * hd * (2 * m.n_heads + 2 * m.n_kv_heads) + 3 * m.d_model * m.d_ff
+    return m.n_layers * per_layer + m.vocab_size * m.d_model
+
+
+def flops_per_token(m: ModelConfig) -> float:
+    """Model FLOPs per token (PaLM appendix B; forward + backward, recomputation not counted,
+    as MFU is defined): 6 N_matmul + 12 n_layers d_attn seq_len, d_attn = n_heads head_dim."""
+    return 6.0 * matmul_params(m) + 12.0 * m.n_layers * m.n_heads * m.head_dim * m.seq_len
 
 
 def llama_spec(cfg: ModelConfig) -> ModelSpec:

@@ -13,7 +13,7 @@ engine. A ``ModelSpec`` describes it as data:
   ``"cross_entropy"`` for the library's token cross-entropy over the last dim (vocab-parallel
   when the head is sharded by ``vocab_head``);
 * ``tp_plan``: module-name patterns (``fnmatch``) -> a tensor-parallel style (see
-  ``hybridpar.tensor_parallel.apply``); modules not named stay replicated;
+  ``hybridpar.parallel.tensor_parallel.apply``); modules not named stay replicated;
 * ``tied``: (source, copy) parameter names that are one tensor (embedding and output head);
   both must sit in the stem or head, so that a split puts them on the first and last stage;
 * ``init(name, shape, generator)``: the unsharded initial value of a parameter (the engine
@@ -22,8 +22,9 @@ engine. A ``ModelSpec`` describes it as data:
   recomputed in backward under ``recompute=selective`` (``full`` recomputes whole blocks);
 * ``check(tp)``: model-specific validation of a tensor-parallel degree (e.g. "tp must divide
   n_heads"); ``flops_per_sample``: forward+backward FLOPs of one sample (MFU);
-* ``data``: the embedded data it trains on by default (``"text"``: byte tokens, or
-  ``"digits"``: scikit-learn's 8x8 digit images with labels), or a module-level function
+* ``data``: the embedded data it trains on by default (``"text"``: byte tokens,
+  ``"digits"``: labelled images, scikit-learn's 8x8 digits or ``data.images=synthetic``, or
+  ``"denoising"``: (noisy image, clean image) pairs of those), or a module-level function
   ``(Config) -> dataset`` with a ``batch(split, step, *, seed, global_batch_size, seq_len)``
   method returning one global batch (inputs, targets) as a pure function of the step;
 * ``eval_metric(output, targets)``: a tensor of (correct, count) per micro-batch, summed over

@@ -135,7 +135,6 @@ def flops_per_sample(cfg: ModelConfig) -> float:
 
 
 def unet_spec(cfg: ModelConfig) -> ModelSpec:
-    from ..image_data import denoising_digits
     return ModelSpec(
         name="unet",
         build=lambda: UNet(cfg),
@@ -147,5 +146,5 @@ def unet_spec(cfg: ModelConfig) -> ModelSpec:
         tp_plan=TP_PLAN,
         init=init_unet,
         flops_per_sample=flops_per_sample(cfg),
-        data=denoising_digits,
+        data="denoising",
     )

@@ -93,7 +93,7 @@ def head_flops(m: ModelConfig, tokens: int, tp: int = 1) -> float:
 
 def step_flops(m: ModelConfig, global_batch: int) -> float:
     """Model FLOPs of one optimizer step (forward + backward, no recompute): MFU's numerator;
-    equals ``tb.flops_per_token`` * tokens."""
+    equals ``models.llama.flops_per_token`` * tokens."""
     n = global_batch * m.seq_len
     return 3.0 * (m.n_layers * layer_flops(m, n) + head_flops(m, n))
 

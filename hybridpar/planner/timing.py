@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ..config import ModelConfig, bucket_bytes
-from ..pipeline.schedules import Op, build
-from ..pipeline.simulate import simulate
+from ..parallel.pipeline.schedules import Op, build
+from ..parallel.pipeline.simulate import simulate
 from .cluster import Cluster
 from .costs import (OPT_BYTES, Plan, collective_time, head_flops, matmuls, spans_nodes, stage_layers,
                     stage_params)

@@ -1,0 +1,129 @@
+"""``hybridpar plan``: rank the layouts of a cluster for a model, and print or run the best.
+
+    hybridpar plan --model gpt3-175b --cluster a100-80g --nodes 128 --devices-per-node 8 \\
+        --global-batch 1536 --top 10
+    hybridpar plan --cluster PROFILE.json --devices-per-node 4 --print-command   # this machine
+    hybridpar plan --config run.toml --model.n_layers=12 --apply
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import fields
+
+from ..config import Config, ConfigError, ModelConfig, apply_updates, load_toml, parse_overrides
+from ..planner.cluster import PRESETS, Cluster, load_cluster
+from ..planner.costs import Plan
+from ..planner.search import MODELS, Row, rank
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hybridpar plan", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="Model sizes can be overridden as --model.field=value.")
+    p.add_argument("--model", default="default", help=f"preset: {', '.join(MODELS)}")
+    p.add_argument("--config", help="TOML config: its [model] and train.global_batch")
+    p.add_argument("--global-batch", type=int, help="sequences per step (default: the config's)")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's)")
+    p.add_argument("--cluster", default="cpu",
+                   help=f"preset ({', '.join(PRESETS)}) or a profile JSON from `hybridpar calibrate`")
+    p.add_argument("--nodes", type=int, help="nodes (default: the profile's)")
+    p.add_argument("--devices-per-node", type=int,
+                   help="devices (GPU) or ranks (CPU) per node (default: the profile's)")
+    p.add_argument("--top", type=int, default=10, help="rows to print")
+    p.add_argument("--microbatches", type=int, help="only layouts with this many micro-batches")
+    p.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved"), help="only this schedule")
+    p.add_argument("--max-mb", type=int, default=8, help="largest micro-batch size tried")
+    p.add_argument("--print-command", action="store_true", help="print `hybridpar train` for the best plan")
+    p.add_argument("--apply", action="store_true", help="run the best plan now (this machine's ranks)")
+    return p
+
+
+def resolve(args, overrides: list[str]) -> tuple[Config, int]:
+    """The model config and global batch a plan is for."""
+    if args.model not in MODELS:
+        raise ConfigError(f"--model={args.model!r} is unknown; presets: {', '.join(MODELS)}")
+    cfg = Config(model=MODELS[args.model])
+    if args.config:
+        cfg = apply_updates(cfg, load_toml(args.config), from_text=False)
+    if args.seq_len:
+        overrides = overrides + [f"--model.seq_len={args.seq_len}"]
+    cfg = apply_updates(cfg, parse_overrides(overrides), from_text=True)
+    gb = args.global_batch or cfg.train.global_batch
+    return cfg, gb
+
+
+def command(cfg: Config, plan: Plan, args) -> list[str]:
+    """The ``hybridpar train`` arguments that run ``plan`` as is."""
+    argv = ["--dp", str(plan.dp), "--tp", str(plan.tp), "--pp", str(plan.pp),
+            "--microbatches", str(plan.microbatches), "--schedule", plan.schedule,
+            "--global-batch", str(plan.global_batch)]
+    if args.config:
+        argv = ["--config", args.config] + argv
+    extra = {"virtual_stages": (plan.virtual_stages, 1), "recompute": (plan.recompute, "none"),
+             "zero1": (plan.zero1, False), "sequence_parallel": (plan.sequence_parallel, False)}
+    argv += [f"--parallel.{k}={str(v).lower() if isinstance(v, bool) else v}"
+             for k, (v, default) in extra.items() if v != default]
+    defaults = ModelConfig()
+    argv += [f"--model.{f.name}={getattr(cfg.model, f.name)}" for f in fields(ModelConfig)
+             if getattr(cfg.model, f.name) != getattr(defaults, f.name)]
+    return argv
+
+
+def _mem(x: float, big: bool) -> str:
+    return f"{x / 2 ** 30:.1f}" if big else f"{x / 2 ** 20:.1f}"
+
+
+def format_table(rows: list[Row], c: Cluster) -> str:
+    big = max(r.mem["total"] for r in rows) > 4 * 2 ** 30
+    unit = "GiB" if big else "MiB"
+    head = (f"{'#':>2} {'dp':>4} {'tp':>2} {'pp':>3} {'mb x M':>9} {'schedule':>13} {'recomp':>9} "
+            f"{'zero1':>5} {'sp':>3} {'step s':>8} {'tok/s':>9} {'MFU':>5} {'bubble':>6} "
+            f"{'tp s':>7} {'pp s':>7} {'dp s':>7} | {'params':>7} {'grads':>7} {'optim':>7} "
+            f"{'activ':>7} {'total':>7} {unit:>3} fits")
+    lines = [head, "-" * len(head)]
+    for i, r in enumerate(rows, 1):
+        p, q, mem = r.plan, r.pred, r.mem
+        lines.append(
+            f"{i:2d} {p.dp:4d} {p.tp:2d} {p.pp:3d} {f'{p.mb_size}x{p.microbatches}':>9} {p.schedule_label:>13} "
+            f"{p.recompute:>9} {'y' if p.zero1 else '-':>5} {'y' if p.sequence_parallel else '-':>3} "
+            f"{q.step_time:8.3f} {r.tokens_per_s:9.0f} {r.mfu:5.1%} {q.bubble:6.1%} "
+            f"{q.comm['tp']:7.3f} {q.comm['pp']:7.3f} {q.comm['dp']:7.3f} | "
+            + " ".join(f"{_mem(mem[k], big):>7}" for k in ("params", "grads", "optimizer", "activations", "total"))
+            + f"     {'yes' if r.fits else 'NO'}")
+    return "\n".join(lines)
+
+
+def plan_main(argv: list[str], run_train=None) -> int:
+    args, rest = _parser().parse_known_args(argv)
+    bad = [x for x in rest if not (x.startswith("--model.") and "=" in x)]
+    if bad:
+        raise ConfigError(f"unknown argument '{bad[0]}'; see hybridpar plan --help")
+    cfg, gb = resolve(args, rest)
+    c = load_cluster(args.cluster, nodes=args.nodes, devices_per_node=args.devices_per_node)
+    if args.top < 1:
+        raise ConfigError(f"--top={args.top} must be at least 1")
+    fixed = {k: v for k, v in (("microbatches", args.microbatches), ("schedule", args.schedule)) if v}
+    rows, n = rank(cfg.model, c, gb, top=args.top, fixed=fixed, max_mb=args.max_mb)
+    m = cfg.model
+    print(f"model: {m.n_layers} layers, d_model {m.d_model}, heads {m.n_heads}/{m.n_kv_heads} kv, "
+          f"d_ff {m.d_ff}, vocab {m.vocab_size}, seq {m.seq_len}; global batch {gb}; cluster "
+          f"{c.name}: {c.nodes} x {c.devices_per_node} devices, {c.device_mem / 2 ** 30:.1f} GiB each; "
+          f"{n} valid layouts (tp inside a node, rank order tp-dp-pp)")
+    print(format_table(rows, c))
+    best = rows[0]
+    if not best.fits:
+        print("no layout fits in device memory: the rows above are the closest")
+    argv_train = command(cfg, best.plan, args)
+    if args.print_command or args.apply:
+        launcher = "hybridpar train" if c.nodes == 1 else \
+            f"torchrun --nnodes {c.nodes} --nproc-per-node {c.devices_per_node} -m hybridpar train"
+        print(f"{launcher} {' '.join(argv_train)}")
+    if args.apply:
+        if c.nodes > 1 or c.world > 4 * (os.cpu_count() or 1):
+            raise ConfigError(f"--apply runs on this machine; a {c.nodes}-node plan needs the "
+                              f"torchrun command above on every node")
+        if not best.fits:
+            raise ConfigError("--apply: the best plan does not fit in memory")
+        return run_train(["train", *argv_train])
+    return 0

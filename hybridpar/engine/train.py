@@ -1,0 +1,348 @@
+"""The training loop: a plain function that reads top to bottom.
+
+One step = the pipeline schedule over this rank's micro-batches (forward, backward, and with
+pp=1 simply gradient accumulation), then the explicit gradient finalisation (dp all-reduce,
+tied-embedding sum), then one all-reduce of the step's scalars (gradient norm, loss), clipping
+and the AdamW update.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from . import data as data_mod
+from .. import checkpoint
+from . import tb, trace
+from ..parallel.amp import LossScaler
+from ..config import Config, TrainConfig
+from ..reliability.errors import NonFiniteError, faults_for, inject
+from ..parallel.memory import ActivationMeter, peak_memory_bytes, state_bytes
+from ..parallel.mesh import ParallelMesh
+from ..parallel.parallelize import ParallelModel, build_optimizer, parallelize
+from ..models import ModelSpec, spec_for
+from ..parallel.pipeline.boundaries import infer_boundaries
+from ..parallel.pipeline.runtime import PipelineRunner
+from ..parallel.pipeline.schedules import build as build_schedule, forward_only
+from ..parallel.pipeline.simulate import check as check_schedule
+from ..reliability import watchdog
+from ..reliability.watchdog import activity, find_straggler
+
+
+def lr_at(step: int, t: TrainConfig) -> float:
+    """Linear warmup to ``lr`` then cosine decay to ``lr * min_lr_ratio`` at the last step."""
+    if step < t.warmup_steps:
+        return t.lr * (step + 1) / t.warmup_steps
+    span = max(1, t.steps - t.warmup_steps)
+    progress = min(1.0, (step - t.warmup_steps) / span)
+    floor = t.lr * t.min_lr_ratio
+    return floor + (t.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+@dataclass
+class Callbacks:
+    """Hooks for tests and tools; each is optional."""
+
+    after_backward: Callable[[int, ParallelModel], None] | None = None  # grads final, unclipped
+    on_metrics: Callable[[dict], None] | None = None
+
+
+def _all_reduce_scalars(values: list[float], mesh: ParallelMesh) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=mesh.device)
+    if dist.is_initialized() and mesh.layout.world_size > 1:
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def _per_rank(value: float, mesh: ParallelMesh, what: str) -> list[float]:
+    """Every rank's ``value`` (an all-gather, as the all-reduce of a one-hot vector). Not run
+    every step: on an oversubscribed CPU its latency grows with the world size."""
+    t = torch.zeros(mesh.layout.world_size, dtype=torch.float64, device=mesh.device)
+    t[mesh.rank] = value
+    if dist.is_initialized() and mesh.layout.world_size > 1:
+        activity.mark(f"all-gather ({what})", comm=True)
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def _local_rows(step: int, cfg: Config, mesh: ParallelMesh, dataset, split: str = "train"):
+    """This dp rank's rows of the layout-independent global batch, as micro-batches (micro-batch
+    k = the same rows of the global batch on every layout)."""
+    t = cfg.train
+    batch = dataset.batch(split, step, seed=t.seed, global_batch_size=t.global_batch,
+                          seq_len=cfg.model.seq_len)
+    mbs = data_mod.local_microbatches(batch, mesh.dp_rank, mesh.layout.dp, cfg.parallel.microbatches)
+    return [x.to(mesh.device) for x, _ in mbs], [y.to(mesh.device) for _, y in mbs]
+
+
+class Trainer:
+    """State of one run on one rank: model piece, optimizer, schedule, runner."""
+
+    def __init__(self, cfg: Config, mesh: ParallelMesh, dataset=None, *,
+                 spec: ModelSpec | None = None):
+        self.cfg, self.mesh = cfg, mesh
+        spec = spec or spec_for(cfg.model)
+        self.dataset = dataset if dataset is not None else data_mod.load_data(cfg, spec)
+        if isinstance(self.dataset, data_mod.Dataset):
+            data_mod.check_token_range(self.dataset, cfg.model.vocab_size)
+        t = cfg.train
+        if t.eval_every and hasattr(self.dataset, "max_batches") \
+                and self.dataset.max_batches("val", t.global_batch) < 1:
+            raise data_mod.DataError(
+                f"{self.dataset.describe()}: the held-out split is smaller than one global batch "
+                f"of {t.global_batch}; raise data.val_fraction, lower train.global_batch, or set "
+                f"train.eval_every=0")
+        init_state = None
+        if cfg.model.init_from:  # a Hugging Face folder, an import-hf folder, or a tensor file
+            from ..interop.hf import open_state
+            init_state = open_state(cfg.model.init_from)
+        self.pm = parallelize(cfg, mesh, spec=spec, init_state=init_state)
+        self.opt = build_optimizer(self.pm, cfg)
+        p = cfg.parallel
+        P, v = mesh.layout.pp, p.virtual_stages
+        # every list a rank executes is first proven by the simulator (milliseconds): a list
+        # that would deadlock is a bug reported here, on every rank, never a hang mid-run
+        train_lists, eval_lists = (build_schedule(p.schedule, P, p.microbatches, v),
+                                   forward_only(P, p.microbatches, v))
+        check_schedule(train_lists, P, v, what=f"{p.schedule} training schedule")
+        check_schedule(eval_lists, P, v, backward=False, what="evaluation schedule")
+        self.actions, self.eval_actions = train_lists[mesh.pp_rank], eval_lists[mesh.pp_rank]
+        # what crosses each pipeline boundary, from a meta-device forward of one micro-batch
+        example = _local_rows(0, cfg, mesh, self.dataset)[0][0]
+        boundaries = infer_boundaries(self.pm.spec.build, self.pm.stage_units, example,
+                                      seq_shards=p.tp if p.sequence_parallel else 1)
+        self.scaler = LossScaler() if cfg.train.precision == "fp16" else None
+        self.runner = PipelineRunner(self.pm.chunks, mesh, p.microbatches, boundaries, self._loss,
+                                     eval_fn=spec.eval_metric)
+        self.meter = ActivationMeter(self.pm.module.parameters())
+        self.runner.meter = self.meter
+        self.step = 0
+        self.skips = 0  # consecutive steps skipped for a non-finite loss or gradient norm
+        self.busy = [0.0, 0]  # busy seconds and steps since the last straggler check
+        self.faults = faults_for(mesh.rank)  # HYBRIDPAR_FAULT, for testing failure handling
+        # --resume / checkpoint.load / a restarted torchrun worker: state of any layout's checkpoint
+        self.resumed_from = checkpoint.resume(self)
+
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = self.pm.loss(logits, targets)
+        return loss * self.scaler.scale if self.scaler is not None and torch.is_grad_enabled() else loss
+
+    def train_step(self, callbacks: Callbacks | None = None) -> dict:
+        cfg, mesh, pm = self.cfg, self.mesh, self.pm
+        t0 = time.perf_counter()
+        activity.begin_step(self.step + 1)
+        activity.mark("data")
+        xs, ys = _local_rows(self.step, cfg, mesh, self.dataset)
+        pm.grad_sync.zero_grad()
+        self.meter.reset()
+        st = self.runner.run(self.actions, xs, ys)
+        activity.mark("grad sync", comm=True)
+        pm.finish_grads()
+        activity.mark("grad norm")
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        if scale != 1.0:
+            for b in pm.grad_sync.buckets:
+                b.grad.div_(scale)
+        if callbacks and callbacks.after_backward:
+            callbacks.after_backward(self.step, pm)
+        inject(self.faults, rank=mesh.rank, step=self.step + 1, pm=pm, activity=activity)
+        activity.mark("grad norm")
+        sumsq, replicas = pm.grad_sumsq()
+        loss = 0.0
+        if pm.is_last and mesh.tp_rank == 0:
+            total = None
+            for mb in sorted(st.losses):
+                total = st.losses[mb] if total is None else total + st.losses[mb]
+            loss = total.item()
+        bad = 2 if not math.isfinite(loss) else (0 if math.isfinite(sumsq) else 1)
+        self.busy = [self.busy[0] + activity.busy_s(), self.busy[1] + 1]
+        activity.mark("step all-reduce", comm=True)
+        sumsq, loss = _all_reduce_scalars([sumsq, loss], mesh)
+        activity.mark("optimizer step")
+        grad_norm, loss = math.sqrt(sumsq / replicas), loss / mesh.layout.dp / scale
+        # fp16: an overflowed step is skipped (same decision on every rank: the norm is global)
+        update = self.scaler.update(math.isfinite(grad_norm)) if self.scaler is not None else True
+        # fp32/bf16; under fp16 the loss scaler owns non-finite steps (overflow is expected there)
+        if self.scaler is None and not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            update = self._nonfinite(loss, grad_norm, _per_rank(bad, mesh, "non-finite flags"))
+        else:
+            self.skips = 0
+        clip = cfg.train.grad_clip
+        if clip > 0 and grad_norm > clip:
+            coef = clip / (grad_norm + 1e-6)
+            for _, p in pm.named_parameters():
+                p.grad.mul_(coef)
+        lr = lr_at(self.step, cfg.train)
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        if update:
+            self.opt.step()
+            pm.grad_sync.gather_params()
+        dt = time.perf_counter() - t0
+        self.step += 1
+        p = cfg.parallel
+        return {"step": self.step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
+                "step_time_s": dt, "skipped": not update, **self._rank_times(),
+                "tokens_per_s": cfg.train.global_batch * cfg.model.seq_len / dt,
+                "samples_per_s": cfg.train.global_batch / dt,
+                "max_mem_bytes": peak_memory_bytes(mesh.device),
+                "mem": {**state_bytes(list(pm.module.parameters()),
+                                      [b.grad for b in pm.grad_sync.buckets], self.opt),
+                        "activations": self.meter.peak},
+                "max_in_flight": st.max_in_flight,
+                **({"loss_scale": self.scaler.scale} if self.scaler else {}),
+                "layout": {"dp": p.dp, "tp": p.tp, "pp": p.pp, "microbatches": p.microbatches,
+                           "schedule": p.schedule}}
+
+    def _rank_times(self) -> dict:
+        """Every reliability.straggler_every steps: each rank's mean busy time per step (not
+        waiting in communication) since the last check, and the straggler, if any."""
+        every = self.cfg.reliability.straggler_every
+        if not every or self.step % every:
+            return {}
+        busy = _per_rank(self.busy[0] / self.busy[1], self.mesh, "busy times")
+        self.busy = [0.0, 0]
+        out = {"rank_busy_s": {"max": max(busy), "min": min(busy), "slowest": busy.index(max(busy)),
+                               "fastest": busy.index(min(busy))}}
+        slow = find_straggler(busy, self.mesh.layout, self.cfg.reliability.straggler_threshold)
+        if slow:
+            c = self.mesh.layout.coords(slow[0])
+            out["straggler"] = {"rank": slow[0], "ratio": round(slow[1], 2),
+                                "coords": f"dp={c['dp']}, tp={c['tp']}, pp={c['pp']}"}
+        return out
+
+    def _nonfinite(self, loss: float, grad_norm: float, bads: list[float]) -> bool:
+        """reliability.nan_policy for a step whose all-reduced loss or gradient norm is NaN/Inf
+        (so the same decision on every rank): raise NonFiniteError, or return False (skip the
+        update) up to max_consecutive_skips times in a row. The rank named is the lowest with a
+        non-finite local loss, else with non-finite local gradients; gradients are checked after
+        the dp average, which spreads a NaN to every dp replica of its stage."""
+        rel = self.cfg.reliability
+        self.skips += 1
+        what = "loss" if not math.isfinite(loss) else "gradient norm"
+        msg = f"non-finite {what} at step {self.step + 1} (loss={loss:.4g}, grad_norm={grad_norm:.4g})"
+        flagged = [r for r, b in enumerate(bads) if b == 2] or [r for r, b in enumerate(bads) if b]
+        if flagged:
+            c = self.mesh.layout.coords(flagged[0])
+            msg += (f", first on rank {flagged[0]} (dp={c['dp']}, tp={c['tp']}, pp={c['pp']})"
+                    + (f" of {len(flagged)} ranks" if len(flagged) > 1 else ""))
+        if rel.nan_policy == "stop":
+            raise NonFiniteError(f"{msg}; lower train.lr, check the data, or skip such steps with "
+                                 f"--reliability.nan_policy=skip")
+        if self.skips > rel.max_consecutive_skips:
+            raise NonFiniteError(f"{msg}: {self.skips} non-finite steps in a row exceed "
+                                 f"reliability.max_consecutive_skips={rel.max_consecutive_skips}; "
+                                 f"lower train.lr or check the data")
+        if self.mesh.rank == 0:
+            tb.rank_logger(self.mesh).warning(f"skipping the update of step {self.step + 1}: {msg}")
+        return False
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Validation loss (and the spec's eval metric, e.g. accuracy) over ``eval_batches``
+        global batches of the held-out split, by the forward-only schedule."""
+        cfg, mesh = self.cfg, self.mesh
+        total, metric = 0.0, [0.0, 0.0]
+        n = cfg.train.eval_batches
+        if hasattr(self.dataset, "max_batches"):  # a finite held-out set: each sample once
+            n = min(n, self.dataset.max_batches("val", cfg.train.global_batch))
+        self.pm.module.eval()  # BatchNorm normalises by its running statistics, updates nothing
+        try:
+            for i in range(n):
+                xs, ys = _local_rows(i, cfg, mesh, self.dataset, "val")
+                st = self.runner.run(self.eval_actions, xs, ys)
+                if self.pm.is_last and mesh.tp_rank == 0:
+                    total += sum(v.item() for v in st.losses.values())
+                    for m in st.metrics.values():
+                        metric = [metric[0] + m[0].item(), metric[1] + m[1].item()]
+        finally:
+            self.pm.module.train()
+        activity.mark("eval all-reduce", comm=True)
+        total, correct, count = _all_reduce_scalars([total, *metric], mesh)
+        out = {"val_loss": total / (n * mesh.layout.dp)}
+        if self.runner.eval_fn is not None and count:
+            out["val_accuracy"] = correct / count
+        return out
+
+
+def train(cfg: Config, mesh: ParallelMesh, *, dataset=None, callbacks: Callbacks | None = None,
+          spec: ModelSpec | None = None) -> list[dict]:
+    """Train ``cfg.train.steps`` steps on this rank; returns the per-step metrics (every rank).
+    ``spec`` describes the model (default: the one ``cfg.model`` names)."""
+    trainer = Trainer(cfg, mesh, dataset, spec=spec)
+    t = cfg.train
+    if trainer.step >= t.steps and mesh.rank == 0:
+        print(f"hybridpar: nothing to train: {trainer.resumed_from} is at step {trainer.step} and "
+              f"train.steps={t.steps}; raise --steps to continue", file=sys.stderr, flush=True)
+    tracer = trace.Tracer(mesh.rank).install(trainer) if t.trace else None
+    is_rank0 = mesh.rank == 0
+    bar = None
+    if is_rank0 and t.progress:
+        from tqdm import tqdm
+        bar = tqdm(total=t.steps, initial=trainer.step, desc="train", unit="step", dynamic_ncols=True)
+    sink = open(t.metrics, "a" if trainer.step else "w") if (is_rank0 and t.metrics) else None
+    board = tb.open_writer(cfg, mesh)  # rank 0 only, when train.tensorboard is set
+    log = tb.rank_logger(mesh)
+    history = []
+    last_slow = None
+    dog = watchdog.start(cfg, mesh)  # None on one rank or with reliability.deadline_s=0
+    saver = checkpoint.Saver.start(trainer)  # None without checkpoint.dir; catches SIGTERM
+    try:
+        while trainer.step < t.steps:
+            m = trainer.train_step(callbacks)
+            activity.mark("metrics and logging")
+            last = trainer.step == t.steps
+            if t.eval_every and (trainer.step % t.eval_every == 0 or last):
+                m.update(trainer.evaluate())
+            m.update(tb.throughput(m, cfg, trainer.pm.spec.flops_per_sample))
+            if not math.isfinite(m["loss"]) and is_rank0:
+                log.warning(f"step {m['step']}: loss is {m['loss']}")
+            slow = m.get("straggler", {}).get("rank")
+            if is_rank0 and slow is not None and slow != last_slow:
+                s = m["straggler"]
+                log.warning(f"step {m['step']}: rank {slow} ({s['coords']}) is a straggler: "
+                            f"{s['ratio']}x the median busy time of its peers")
+            last_slow = slow
+            history.append(m)
+            if board:
+                board.log(m)
+            if callbacks and callbacks.on_metrics:
+                callbacks.on_metrics(m)
+            if sink:
+                sink.write(json.dumps(m) + "\n")
+                sink.flush()
+            if bar is not None:
+                bar.update(1)
+                post = {"loss": f"{m['loss']:.4f}", "tok/s": f"{m['tokens_per_s']:.0f}"}
+                if "val_loss" in m:
+                    post["val"] = f"{m['val_loss']:.4f}"
+                bar.set_postfix(post)
+            if saver is not None and saver.after_step(last=last):
+                if is_rank0:
+                    log.warning(f"SIGTERM: saved {saver.last_saved} at step {trainer.step}; stopping")
+                break
+    except BaseException as e:
+        if dog is not None:
+            dog.on_exception(e)  # the first failing rank speaks first; the others stop
+        raise
+    finally:
+        if saver is not None:
+            saver.close()
+        if dog is not None:
+            dog.stop()
+        activity.idle()
+        if bar is not None:
+            bar.close()
+        if sink:
+            sink.close()
+        if board:
+            board.close()
+    if tracer is not None:
+        trace.finish(tracer, cfg, log=log)
+    return history

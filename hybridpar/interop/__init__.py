@@ -1,0 +1,1 @@
+"""Other formats: Hugging Face Llama folders (``hf``) and text generation (``generate``)."""

@@ -1,0 +1,149 @@
+"""A Llama-style decoder as plain single-device PyTorch: no parallel code in this file.
+
+The engine sees it only through its spec (``hybridpar.models.llama``): units ``tok_emb``,
+``layers.0`` .. ``layers.{L-1}``, ``norm``, ``lm_head``, each callable on the previous one's
+output, so a pipeline stage is any contiguous run of them and ``forward`` is never needed by
+the engine. Layers live in a ModuleDict keyed by their global index so parameter names
+(``layers.3.attn.wq.weight``) never depend on the layout.
+"""
+from __future__ import annotations
+
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return y.type_as(x) * self.weight
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of shape (seq_len, head_dim), in the rotate-half layout of Hugging Face Llama."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    freqs = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+class Rotary:
+    """The rotary tables, computed on first use per (length, device) and cached: not a buffer,
+    so a model built on the meta device needs no re-initialisation and nothing is saved."""
+
+    def __init__(self, head_dim: int, theta: float):
+        self.head_dim, self.theta = head_dim, theta
+        self._cache: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (length, str(device))
+        if key not in self._cache:
+            self._cache[key] = rope_tables(length, self.head_dim, self.theta, device)
+        return self._cache[key]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: (B, T, H, hd); cos/sin: (T, hd)
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return x * cos[None, :, None, :].to(x.dtype) + rotated * sin[None, :, None, :].to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query causal attention. Head counts are read from the weight shapes (``view(-1)``),
+    so the same code runs on a tensor-parallel shard holding n_heads/tp and n_kv_heads/tp heads."""
+
+    def __init__(self, cfg: ModelConfig, rotary: Rotary):
+        super().__init__()
+        hd = cfg.head_dim
+        self.head_dim, self.rotary = hd, rotary
+        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * hd, bias=False)
+        self.wk = nn.Linear(cfg.d_model, cfg.n_kv_heads * hd, bias=False)
+        self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * hd, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * hd, cfg.d_model, bias=False)
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """softmax(q k^T / sqrt(hd)) v with causal mask; (B, T, H, hd) in and out."""
+        rep = q.size(2) // k.size(2)
+        if rep > 1:  # kv head j serves query heads j*rep .. j*rep+rep-1 (as in HF repeat_kv)
+            k = k.repeat_interleave(rep, dim=2)
+            v = v.repeat_interleave(rep, dim=2)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           is_causal=True)
+        return y.transpose(1, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, -1, self.head_dim)
+        k = self.wk(x).view(B, T, -1, self.head_dim)
+        v = self.wv(x).view(B, T, -1, self.head_dim)
+        cos, sin = self.rotary(T, x.device)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return self.wo(self.core(q, k, v).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
+        self.w3 = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
+        self.w2 = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: Rotary):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg, rotary)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    """tokens (B, T) -> logits (B, T, vocab). On a pipeline stage (torch's own pipelining, the
+    native benchmark) any part may be None; the forward then takes or returns hidden states."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleDict({str(i): Block(cfg, rotary) for i in range(cfg.n_layers)})
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.tok_emb(x) if self.tok_emb is not None else x
+        for block in self.layers.values():
+            if block is not None:
+                h = block(h)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.lm_head(h) if self.lm_head is not None else h
+
+
+def count_params(cfg: ModelConfig) -> int:
+    d, L, hd = cfg.d_model, cfg.n_layers, cfg.head_dim
+    per_layer = 2 * d + d * cfg.n_heads * hd * 2 + d * cfg.n_kv_heads * hd * 2 + 3 * d * cfg.d_ff
+    emb = cfg.vocab_size * d * (1 if cfg.tie_embeddings else 2)
+    return L * per_layer + emb + d

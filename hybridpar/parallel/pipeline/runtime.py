@@ -1,0 +1,141 @@
+"""The interpreter of a pipeline schedule: runs one rank's action list on real tensors.
+
+The list is cut into what is issued at once by ``schedules.steps`` and each message's peer is
+``schedules.peer_rank``: the very rules the simulator uses when it checks the list, so the
+runtime executes exactly what was proven deadlock-free (a batch of SEND/RECV actions is posted
+with ``batch_isend_irecv`` and waited on as one). With pp=1 the list is just F0 B0 F1 B1 ...:
+plain gradient accumulation through the same code.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from ...reliability.watchdog import activity
+from .boundaries import Boundary, as_tuple, check_boundary
+from .schedules import Action, Op, peer_rank, steps
+
+
+@dataclass
+class StepState:
+    """Tensors in flight for one optimizer step, keyed by (chunk, micro-batch)."""
+
+    inputs: dict = field(default_factory=dict)      # received activations: tuples of tensors
+    outputs: dict = field(default_factory=dict)     # stage outputs, or the loss on the last stage
+    grads_in: dict = field(default_factory=dict)    # received output gradients: tuples
+    losses: dict = field(default_factory=dict)      # last stage: detached per-mb loss
+    metrics: dict = field(default_factory=dict)     # last stage, evaluation: per-mb eval_fn
+    max_in_flight: int = 0
+
+
+@dataclass
+class PipelineRunner:
+    """Executes actions for one rank. ``chunks`` are this rank's model pieces (one unless
+    interleaved); ``boundaries[v]`` is what virtual stage v sends to v+1 (a tuple of tensor
+    shapes and dtypes); ``loss_fn(output, targets)`` is the mean loss of a micro-batch."""
+
+    chunks: list
+    mesh: object
+    n_microbatches: int
+    boundaries: list[Boundary]
+    loss_fn: Callable
+    eval_fn: Callable | None = None  # (output, targets) -> metric tensor, in evaluation only
+    on_action: Callable | None = None  # (action, t_start, t_end) for tracing
+    meter: object | None = None  # memory.ActivationMeter
+
+    def _vstage(self, chunk: int) -> int:
+        return chunk * self.mesh.layout.pp + self.mesh.pp_rank
+
+    def _comm(self, batch: tuple[Action, ...], st: StepState) -> None:
+        """One batch of p2p ops. A boundary's tensors travel in tuple order; gradients only for
+        its floating tensors, in the same order on both sides."""
+        group, ops, where, dev = self.mesh.group("pp"), [], [], self.mesh.device
+        for a in batch:
+            key, v = (a.chunk, a.mb), self._vstage(a.chunk)
+            peer = self.mesh.stage_rank(peer_rank(self.mesh.pp_rank, a, self.mesh.layout.pp))
+            where.append((a.op.name, a.mb, peer))
+            if a.op is Op.SEND_F:
+                out = as_tuple(st.outputs[key])
+                check_boundary(v, out, self.boundaries[v])
+                tensors = [t.detach().contiguous() for t in out]
+            elif a.op is Op.SEND_B:
+                ins = st.inputs.pop(key)
+                tensors = [(t.grad if t.grad is not None else torch.zeros_like(t)).contiguous()
+                           for t, m in zip(ins, self.boundaries[v - 1]) if m.has_grad]
+            elif a.op is Op.RECV_F:
+                tensors = [torch.empty(m.shape, dtype=m.dtype, device=dev)
+                           for m in self.boundaries[v - 1]]
+                st.inputs[key] = tuple(tensors)
+            else:
+                tensors = [torch.empty(m.shape, dtype=m.dtype, device=dev)
+                           for m in self.boundaries[v] if m.has_grad]
+                st.grads_in[key] = tuple(tensors)
+            fn = dist.isend if a.op in (Op.SEND_F, Op.SEND_B) else dist.irecv
+            ops += [dist.P2POp(fn, t, peer, group) for t in tensors]
+        activity.mark("pp", comm=True, detail=where)  # for the watchdog: no I/O
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+        for a in batch:
+            if a.op is Op.RECV_F:
+                for t in st.inputs[(a.chunk, a.mb)]:
+                    if t.dtype.is_floating_point:
+                        t.requires_grad_(True)
+
+    def _forward(self, a: Action, inputs, targets, st: StepState) -> None:
+        key, chunk = (a.chunk, a.mb), self.chunks[a.chunk]
+        x = as_tuple(inputs[a.mb] if key not in st.inputs else st.inputs[key])
+        if self.meter is None:
+            out = chunk(*x)
+        else:
+            with self.meter.forward(key):
+                out = chunk(*x)
+        if self._is_last(a.chunk):
+            if self.eval_fn is not None and not torch.is_grad_enabled():
+                st.metrics[a.mb] = self.eval_fn(out, targets[a.mb])
+            loss = self.loss_fn(out, targets[a.mb]) / self.n_microbatches
+            st.losses[a.mb] = loss.detach()
+            out = loss
+        st.outputs[key] = out
+        st.max_in_flight = max(st.max_in_flight, len(st.outputs))
+
+    def _backward(self, a: Action, st: StepState) -> None:
+        key = (a.chunk, a.mb)
+        out = st.outputs.pop(key)
+        if self.meter is not None:
+            self.meter.release(key)
+        if self._is_last(a.chunk):
+            out.backward()
+        else:
+            v = self._vstage(a.chunk)
+            outs = [t for t, m in zip(as_tuple(out), self.boundaries[v]) if m.has_grad]
+            pairs = [(t, g) for t, g in zip(outs, st.grads_in.pop(key)) if t.requires_grad]
+            if pairs:
+                torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+        # a received input stays in st.inputs until SEND_B takes its .grad
+
+    def _is_last(self, chunk: int) -> bool:
+        P = self.mesh.layout.pp
+        return chunk == len(self.chunks) - 1 and self.mesh.pp_rank == P - 1
+
+    def run(self, actions: list[Action], inputs: list, targets: list) -> StepState:
+        st = StepState()
+        for batch in steps(actions):
+            t0 = time.perf_counter()
+            a = batch[0]
+            if a.op.is_comm:
+                self._comm(batch, st)
+            elif a.op is Op.FWD:
+                activity.mark("forward", a.mb)
+                self._forward(a, inputs, targets, st)
+            else:
+                activity.mark("backward", a.mb)
+                self._backward(a, st)
+            if self.on_action is not None:
+                t1 = time.perf_counter()
+                for done in batch:
+                    self.on_action(done, t0, t1)
+        return st

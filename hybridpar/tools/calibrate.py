@@ -1,0 +1,294 @@
+"""``hybridpar calibrate --out PROFILE.json``: measure this machine for the planner.
+
+  matmul      achieved FLOP/s of the default model's matmul shapes (forward, input-gradient and
+              weight-gradient products of each), at 1 .. cores threads (threads per rank)
+  memory      the elementwise bandwidth that, with the matmul table and the overheads,
+              reproduces the measured step of the default model trained in one process
+  collectives Gloo all-reduce, all-gather and send/recv (the runtime's own wrappers, via
+              ``bench.collectives``) in groups of 2/4/8 ranks, alone and as k/n concurrent
+              groups of a world of k (a dp x tp layout's tp groups), each call between two
+              matmuls as in training (its cost: the loop's time minus the matmuls'):
+              alpha + beta * bytes fitted to 5 sizes
+  oversubscription  the slow-down of k concurrent 1-thread processes doing a block's work
+  overhead    the framework's fixed cost: a tiny block's forward+backward (per layer, pure
+              dispatch), a tiny model's training step at 1 and 8 micro-batches (per F/B action
+              and per step), and AdamW + gradient norm + zeroing per parameter
+
+The ranks of a CPU share its cores; the profile records the core count and the planner slows
+compute by the measured oversubscription (see ``Cluster.contention``), the collectives being
+measured with all the world's ranks running.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from dataclasses import replace
+
+from ..planner.cluster import Cluster, Link, save_profile
+
+
+def _timeit(fn, min_s: float = 0.03, reps: int = 5) -> float:
+    """Median over ``reps`` of the mean seconds per call over >= ``min_s``: the typical time,
+    as a training step's median is (a best-of would predict the luckiest step)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        n, t0 = 0, time.perf_counter()
+        while True:
+            fn()
+            n += 1
+            dt = time.perf_counter() - t0
+            if dt >= min_s:
+                break
+        times.append(dt / n)
+    return statistics.median(times)
+
+
+def matmul_table(threads: int) -> list[tuple[float, float]]:
+    """[(flops of one product, FLOP/s)] over the default model's shapes, tokens 128 .. 4096."""
+    import torch
+
+    from ..config import ModelConfig
+
+    torch.set_num_threads(threads)
+    m = ModelConfig()
+    rows = {}
+    for n in (128, 512, 2048, 4096):
+        for tp in (1, 2, 4):
+            for k, j in ((m.d_model, m.d_model // tp), (m.d_model, m.d_ff // tp), (m.d_ff // tp, m.d_model)):
+                x, w, gy = torch.randn(n, k), torch.randn(k, j), torch.randn(n, j)
+                t = (_timeit(lambda: x @ w) + _timeit(lambda: gy @ w.T) + _timeit(lambda: x.T @ gy)) / 3
+                flops = 2.0 * n * k * j
+                rows[flops] = max(rows.get(flops, 0.0), flops / t)
+    return sorted(rows.items())
+
+
+def _median_step(model, *, mb: int, microbatches: int, threads: int, data, steps: int, warmup: int) -> float:
+    """Median seconds of a training step after ``warmup`` of ``steps``, in one process, through
+    the ``Trainer`` (dispatch, hooks, loss and optimizer as the runtime pays them)."""
+    from ..config import Config, ParallelConfig, TrainConfig
+    from ..parallel.mesh import single_mesh
+    from ..engine.train import Trainer
+
+    cfg = Config(model=model, parallel=ParallelConfig(dp=1, microbatches=microbatches),
+                 train=TrainConfig(global_batch=mb * microbatches, steps=100, eval_every=0,
+                                   progress=False, threads_per_rank=threads))
+    trainer = Trainer(cfg, single_mesh(), dataset=data)
+    return statistics.median([trainer.train_step()["step_time_s"] for _ in range(steps)][warmup:])
+
+
+def elementwise_bw(threads: int, table: list[tuple[float, float]], overhead: dict) -> float:
+    """The elementwise bandwidth with which the cost model reproduces real training steps of the
+    default model in one process at ``threads`` threads (through the ``Trainer``: dispatch,
+    hooks, loss and optimizer as the runtime pays them), at 2 and 8 sequences per micro-batch.
+    The planner's compute is so anchored to what this machine does with a whole step, and the
+    matmul table carries it to other shapes. (A plain add streams far faster than norms, RoPE,
+    SDPA and SiLU with their autograd bookkeeping do; only the total matters.)"""
+    import torch
+
+    from ..config import ModelConfig
+    from ..testing import tiny_dataset
+    from ..planner.costs import Plan
+    from ..planner.timing import predict_time
+
+    torch.set_num_threads(threads)
+    m, data, rates = ModelConfig(), tiny_dataset(), []
+    for mb in (2, 8):
+        measured = _median_step(m, mb=mb, microbatches=2, threads=threads, data=data, steps=8, warmup=2)
+        plan = Plan(dp=1, tp=1, pp=1, mb_size=mb, microbatches=2, schedule="1f1b")
+
+        def predicted(bw: float) -> float:
+            probe = Cluster(name="probe", devices_per_node=1, cores=threads, matmul={threads: table},
+                            mem_bw={threads: bw}, overhead=overhead, backend="gloo", dtype_bytes=4)
+            return predict_time(m, plan, probe).step_time
+
+        # the step is t0 + bytes / bw: two predictions give both
+        at_1, at_2 = predicted(1e10), predicted(2e10)
+        nbytes, t0 = 2 * (at_1 - at_2) * 1e10, 2 * at_2 - at_1
+        rates.append(nbytes / max(measured - t0, 0.1 * measured))
+    return statistics.median(rates)
+
+
+def overheads() -> dict[str, float]:
+    """Fixed seconds per layer (forward + backward), per F/B action and per step, fitted to
+    t(L, M) = step + M (2 action + L layer) over training steps of a tiny model (so dispatch,
+    the activation meter's and the gradient hooks are counted as the runtime pays them), and
+    AdamW + gradient norm + zeroing per parameter."""
+    import torch
+
+    from ..config import ModelConfig
+    from ..models.transformer import Block, Rotary
+    from ..testing import tiny_dataset
+
+    torch.set_num_threads(1)
+    tiny = ModelConfig(n_layers=1, d_model=16, n_heads=2, n_kv_heads=1, d_ff=32, seq_len=8)
+    block = Block(tiny, Rotary(tiny.head_dim, tiny.rope_theta))
+    x = torch.randn(1, 8, 16, requires_grad=True)
+    bare = _timeit(lambda: block(x).sum().backward(), min_s=0.2)
+    data = tiny_dataset()
+
+    t = {(L, M): _median_step(replace(tiny, n_layers=L), mb=1, microbatches=M, threads=1, data=data,
+                              steps=25, warmup=5)
+         for L in (1, 4) for M in (1, 8)}
+    per_mb = {L: (t[L, 8] - t[L, 1]) / 7 for L in (1, 4)}
+    layer = max(bare, (per_mb[4] - per_mb[1]) / 3)
+    params = [torch.nn.Parameter(torch.randn(2 ** 20)) for _ in range(2)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-3)
+
+    def update():
+        sum(torch.linalg.vector_norm(p.grad, dtype=torch.float64).item() ** 2 for p in params)
+        for p in params:
+            p.grad.mul_(0.5)
+        opt.step()
+        for p in params:
+            p.grad.zero_()
+    per_param = _timeit(update, min_s=0.2) / 2 ** 21
+    return {"layer": layer, "action": max(0.0, (per_mb[1] - layer) / 2), "comm": 0.0,
+            "step": max(0.0, t[1, 1] - per_mb[1]), "param": per_param}
+
+
+def _block_loop(seconds: float, start, out) -> None:
+    """Train-like work of one 1-thread rank: a default-model block forward+backward in a loop."""
+    import torch
+
+    from ..config import ModelConfig
+    from ..models.transformer import Block, Rotary
+
+    torch.set_num_threads(1)
+    m = ModelConfig()
+    block = Block(m, Rotary(m.head_dim, m.rope_theta))
+    x = torch.randn(4, m.seq_len, m.d_model, requires_grad=True)
+    block(x).sum().backward()
+    start.wait()
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        block(x).sum().backward()
+        n += 1
+    out.put((time.perf_counter() - t0) / n)
+
+
+def oversubscription(ks: tuple[int, ...] = (1, 2, 4, 8), seconds: float = 3.0) -> dict[int, float]:
+    """Slow-down of each of k concurrent 1-thread processes doing a block's work, against one
+    alone: what k ranks sharing the cores really cost (ideal: max(1, k / cores))."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    per_iter = {}
+    for k in ks:
+        start, out = ctx.Event(), ctx.Queue()
+        procs = [ctx.Process(target=_block_loop, args=(seconds, start, out)) for _ in range(k)]
+        for p in procs:
+            p.start()
+        time.sleep(2.0 + 0.5 * k)  # let every process import torch and warm up
+        start.set()
+        times = [out.get() for _ in procs]
+        for p in procs:
+            p.join()
+        per_iter[k] = statistics.mean(times)
+    return {k: per_iter[k] / per_iter[ks[0]] for k in ks}
+
+
+def _fit(points: list[tuple[float, float]]) -> list[float]:
+    """alpha, beta of t = alpha + beta * bytes, least squares on relative error."""
+    import numpy as np
+
+    x = np.array([[1.0, b] for b, _ in points])
+    t = np.array([s for _, s in points])
+    w = 1.0 / t
+    (alpha, beta), *_ = np.linalg.lstsq(x * w[:, None], t * w, rcond=None)
+    return [max(float(alpha), 0.0), max(float(beta), 0.0)]
+
+
+def _collectives_worker(sizes: list[int], iters: int, n: int) -> dict | None:
+    """Fits of each op in groups of ``n`` consecutive ranks (as tp groups are), every group of
+    the world measuring at once: with more ranks than cores, a peer that is not running when a
+    collective starts must first be scheduled, which a group alone on the machine never pays."""
+    import torch
+    import torch.distributed as dist
+
+    from .bench.collectives import _time, cases
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    a, w = torch.randn(1024, 256), torch.randn(256, 768)  # ~5 ms: a tp layer's matmul
+    try:
+        k, rank = dist.get_world_size(), dist.get_rank()
+        groups = [dist.new_group(list(range(i, i + n))) for i in range(0, k, n)]
+        group, out = groups[rank // n], {}
+        for name, (_, numel, ours, _raw) in cases(n).items():
+            if name == "reduce-scatter":  # Gloo has none: the runtime all-reduces (costed so)
+                continue
+            pts = []
+            for size in sizes:
+                x = torch.randn(numel(size // 4))
+                _time(ours, x, group, 2)
+                # in situ: between two matmuls, as in training, where the ranks drift apart
+                # and the transfer competes with compute for the cores; the collective's cost
+                # is the loop's time minus the compute's
+                dist.barrier()
+                t = statistics.median(_time(lambda v, g: (a @ w, ours(v, g)), x, group, iters)
+                                      - _time(lambda v, g: a @ w, x, group, iters) for _ in range(5))
+                slowest = torch.tensor([max(t, 1e-6)], dtype=torch.float64)
+                dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+                pts.append((size, slowest.item()))
+            out[name] = _fit(pts)
+        return out if rank == 0 else None
+    finally:
+        dist.destroy_process_group()
+
+
+def calibrate(ranks: tuple[int, ...] = (2, 4, 8), *, log=print) -> Cluster:
+    from ..engine.launch import spawn
+
+    cores = os.cpu_count() or 1
+    thread_counts = sorted({1, cores})
+    t0 = time.time()
+    matmul = {t: matmul_table(t) for t in thread_counts}
+    for t in thread_counts:  # more threads are never slower: a lower figure is another
+        matmul[t] = [(f, max(r, r1)) for (f, r), (_, r1) in zip(matmul[t], matmul[1])]  # job's noise
+    log(f"matmul: best {max(r for _, r in matmul[1]) / 1e9:.1f} GFLOP/s on 1 thread ({time.time() - t0:.0f} s)")
+    ovh = overheads()
+    mem_bw = {t: elementwise_bw(t, matmul[t], ovh) for t in thread_counts}
+    log(f"elementwise: {', '.join(f'{v / 1e9:.1f} GB/s on {t} threads' for t, v in mem_bw.items())}")
+    over = oversubscription(tuple(sorted({1, *ranks})))
+    log("oversubscription: " + ", ".join(f"{k} ranks x{v:.2f}" for k, v in over.items()))
+    log("overhead: " + ", ".join(f"{k} {v * 1e6:.2f} us" for k, v in ovh.items()))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    sizes = [4 << 10, 64 << 10, 512 << 10, 2 << 20, 8 << 20]
+    coll: dict = {}
+    shared: dict = {}
+    for k in ranks:
+        for n in (n for n in ranks if n <= k and k % n == 0):
+            fits = spawn(_collectives_worker, k, sizes, 8, n)[0]
+            for op, ab in fits.items():
+                (coll.setdefault(op, {}) if n == k else shared.setdefault(op, {}).setdefault(k, {}))[n] = ab
+            log(f"collectives in groups of {n} of {k} ranks: " + ", ".join(
+                f"{op} {ab[0] * 1e6:.0f} us + {1e-9 / max(ab[1], 1e-30):.2f} GB/s" for op, ab in fits.items()))
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    p2p = coll["send/recv"][min(coll["send/recv"])]
+    link = Link(p2p[0], 1.0 / max(p2p[1], 1e-30))
+    return Cluster(name="calibrated cpu", nodes=1, devices_per_node=cores, mem_bytes=float(ram),
+                   peak_flops=max(r for _, r in matmul[1]), matmul=matmul, mem_bw=mem_bw,
+                   intra=link, inter=link, collectives=coll, collectives_shared=shared, overhead=ovh,
+                   cores=cores, oversubscription=over, backend="gloo", dtype_bytes=4)
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="hybridpar calibrate", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="profile JSON to write (use: hybridpar plan --cluster OUT)")
+    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8],
+                    help="group sizes to measure the collectives at")
+    a = ap.parse_args(argv)
+    folder = os.path.dirname(os.path.abspath(a.out))
+    if not os.path.isdir(folder):
+        from ..config import ConfigError
+        raise ConfigError(f"--out={a.out!r}: folder {folder!r} does not exist")
+    c = calibrate(tuple(a.ranks))
+    save_profile(c, a.out)
+    print(f"wrote {a.out}; use: hybridpar plan --cluster {a.out}")
+    return 0
+
