@@ -13,13 +13,15 @@ import typing
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from .reliability.errors import UserError
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A user error in the configuration: printed as one line, never as a traceback."""
 
 
@@ -155,6 +157,12 @@ class TrainConfig:
 class DataConfig:
     path: str = _f("", "text file or folder; empty = the Python standard library's sources")
     val_fraction: float = _f(0.05, "tail fraction of the tokens (or images) held out for validation", gt=0, lt=1)
+    tokenizer: str = _f("", "text models: 'byte', or a tokenizer.json (or a folder holding one); empty = the "
+                            "model.init_from folder's tokenizer.json if it has one, else byte")
+    text_field: str = _f("text", "JSONL documents: the field holding the text")
+    format: str = _f("auto", "JSONL: auto (lines with prompt+response or messages are instruction data, "
+                             "the loss masked on prompts), text, or sft", choices=("auto", "text", "sft"))
+    token_dtype: str = _f("uint16", ".bin token files: the id dtype", choices=("uint16", "uint32"))
     images: str = _f("digits", "image models: scikit-learn's bundled 8x8 digits, or synthetic images of "
                                "model.image_size (any resolution, for memory and speed measurements)",
                      choices=("digits", "synthetic"))

@@ -27,7 +27,7 @@ import shutil
 import signal
 from pathlib import Path
 
-from ..reliability.errors import HybridparError
+from ..reliability.errors import UserError
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -39,7 +39,7 @@ KILL_ENV = "HYBRIDPAR_CKPT_KILL"
 KILL_POINTS = ("shards", "manifest", "rename", "latest", "prune")
 
 
-class CheckpointError(HybridparError):
+class CheckpointError(UserError):
     """A checkpoint that cannot be used; raised identically on every rank."""
 
     collective = True

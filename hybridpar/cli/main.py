@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from ..config import Config, ConfigError, describe_fields, load_config, validate
-from ..reliability.errors import EXIT_FAILED, EXIT_USER, HybridparError
+from ..reliability.errors import EXIT_FAILED, EXIT_USER, HybridparError, UserError
 
 # shortcut flag -> (section, field)
 SHORTCUTS = {
@@ -272,15 +272,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def _report(e: Exception) -> int | None:
     """Print a failure as one line and return the exit code; None: let it show its traceback."""
-    data = sys.modules.get("hybridpar.engine.data")  # DataError without importing torch for config errors
-    if isinstance(e, ConfigError) or (data is not None and isinstance(e, data.DataError)):
+    if isinstance(e, UserError) and not e.collective:
         if os.environ.get("LOCAL_RANK", "0") == "0":  # under torchrun: once per node, not per rank
             print(f"hybridpar: error: {e}", file=sys.stderr)
         return EXIT_USER
     if isinstance(e, HybridparError):
         if not e.collective or os.environ.get("RANK", "0") == "0":  # collective: on every rank
             print(f"hybridpar: error: {e}", file=sys.stderr)
-        return EXIT_FAILED
+        return e.exit_code
     reported = getattr(e, "hybridpar_reported", None)  # already printed (torchrun worker)
     if reported == "first":
         from torch.distributed.elastic.multiprocessing.errors import ErrorHandler

@@ -106,9 +106,22 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, max_restarts: int = 0
     return elastic_launch(config, fn)(*args)
 
 
-# raised in a worker, these are bad inputs: one line, exit code 2 (CheckpointError: a checkpoint
-# of another model or a damaged one, hybridpar.checkpoint)
-USER_ERRORS = ("ConfigError", "DataError", "CheckpointError")
+def user_error_names() -> tuple[str, ...]:
+    """Names of every ``UserError`` class: a spawned rank's failure reaches the launcher only as
+    a type name, and these are bad inputs (one line, exit code 2)."""
+    from ..checkpoint.store import CheckpointError  # noqa: F401  (the modules defining them)
+    from ..reliability.errors import UserError
+    from .data import DataError  # noqa: F401
+
+    out, todo = [], [UserError]
+    while todo:
+        cls = todo.pop()
+        out.append(cls.__name__)
+        todo.extend(cls.__subclasses__())
+    return tuple(out)
+
+
+USER_ERRORS = user_error_names()
 
 
 def describe_failure(err) -> tuple[str, str]:

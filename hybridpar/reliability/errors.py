@@ -31,6 +31,15 @@ class HybridparError(RuntimeError):
 
     #: raised identically on every rank (a decision on all-reduced values): no rank to blame
     collective = False
+    exit_code = EXIT_FAILED
+
+
+class UserError(HybridparError):
+    """Bad input (configuration, data, a path, a checkpoint that cannot be used): one line
+    naming what is wrong and how to fix it, exit code ``EXIT_USER``. Subclasses:
+    ``config.ConfigError``, ``engine.data.DataError``, ``checkpoint.store.CheckpointError``."""
+
+    exit_code = EXIT_USER
 
 
 class NonFiniteError(HybridparError):
