@@ -1,11 +1,19 @@
 """Benchmark (not a test): per-rank memory of each memory feature against its analytic expectation.
 
     python -m hybridpar.tools.memory_bench [--dp 2 --tp 2 --pp 2 --steps 2]
+    python -m hybridpar.tools.memory_bench --model resnet --image-size 256 \
+        --layouts 1x1x1 1x1x2 1x1x4 1x2x1 1x4x1 1x2x2
 
 Runs the default model at one layout with each feature off and on, in one spawn, and prints the
 tracked bytes of rank 0 (parameters, gradients, optimizer state, peak saved activations) next to
 what the math says, plus the pipeline bubble of 1F1B vs interleaved (simulated on the real
 schedules, and measured from the runtime's compute time).
+
+With ``--layouts``: one model (e.g. the ResNet on synthetic high-resolution images) at each
+layout, one training step, and every rank's peak saved activations and parameters: how the
+per-rank memory falls with tp (channels split) and pp (layers split; under 1F1B the first
+stage still holds pp micro-batches in flight, so its activations fall only with the layers it
+does not hold).
 """
 from __future__ import annotations
 
@@ -57,6 +65,40 @@ def _worker(cfgs: dict[str, Config]) -> dict:
     return out
 
 
+def _layout_worker(cfg: Config) -> dict:
+    from ..engine.launch import setup, teardown
+    from ..engine.train import Trainer
+
+    mesh = setup(cfg)
+    tr = Trainer(cfg, mesh)
+    m = tr.train_step()
+    out = {"activations": m["mem"]["activations"], "params": m["mem"]["params"],
+           "pp_rank": mesh.pp_rank, "step_time_s": m["step_time_s"]}
+    teardown()
+    return out
+
+
+def layouts_table(base: Config, layouts: list[tuple[int, int, int]]) -> None:
+    """Every rank's peak saved activations and parameters at each layout (one step each)."""
+    mib, first = 2 ** 20, None
+    m = base.model
+    print(f"model {m.name}, {m.image_size}x{m.image_size}x{m.channels} images, global batch "
+          f"{base.train.global_batch}, {base.parallel.microbatches} micro-batches, 1F1B; MiB per rank")
+    print(f"{'layout':8s} {'activations max':>16s} {'min':>8s} {'vs 1 rank':>10s} {'params max':>11s}"
+          f"  per pipeline stage (activations)")
+    for dp, tp, pp in layouts:
+        cfg = replace(base, parallel=replace(base.parallel, dp=dp, tp=tp, pp=pp))
+        res = spawn(_layout_worker, dp * tp * pp, cfg)
+        acts = [r["activations"] for r in res.values()]
+        first = first or max(acts)
+        stages = {}
+        for r in res.values():
+            stages[r["pp_rank"]] = max(stages.get(r["pp_rank"], 0), r["activations"])
+        print(f"{dp}x{tp}x{pp:<4d} {max(acts) / mib:16.1f} {min(acts) / mib:8.1f} "
+              f"{max(acts) / first:10.2f} {max(r['params'] for r in res.values()) / mib:11.2f}  "
+              + " ".join(f"{stages[k] / mib:.1f}" for k in sorted(stages)))
+
+
 def expected(cfg: Config, r: dict) -> dict[str, str]:
     m, p, t = cfg.model, cfg.parallel, cfg.train
     rows = t.global_batch // (p.dp * p.microbatches)
@@ -81,7 +123,22 @@ def main(argv=None) -> None:
     ap.add_argument("--pp", type=int, default=2)
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--model", default="llama", help="built-in model (layouts mode: e.g. resnet)")
+    ap.add_argument("--image-size", type=int, default=256, help="layouts mode: synthetic image size")
+    ap.add_argument("--global-batch", type=int, default=8)
+    ap.add_argument("--layouts", nargs="*", help="e.g. 1x1x1 1x1x2 1x2x1: the per-rank table instead")
     a = ap.parse_args(argv)
+    if a.layouts:
+        base = Config()
+        base = replace(base, model=replace(base.model, name=a.model, image_size=a.image_size,
+                                           n_layers=8),
+                       data=replace(base.data, images="synthetic", n_images=4 * a.global_batch,
+                                    val_fraction=0.2),
+                       parallel=replace(base.parallel, microbatches=a.microbatches),
+                       train=replace(base.train, steps=1, eval_every=0, progress=False,
+                                     global_batch=a.global_batch, threads_per_rank=1))
+        layouts_table(base, [tuple(int(x) for x in s.split("x")) for s in a.layouts])
+        return
     base = Config()
     base = replace(base, parallel=replace(base.parallel, dp=a.dp, tp=a.tp, pp=a.pp,
                                           microbatches=a.microbatches),
