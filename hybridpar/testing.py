@@ -71,10 +71,11 @@ def tiny_unet_config(*, dp=1, tp=1, pp=1, schedule="1f1b", microbatches=2, steps
 
 
 def test_data(cfg: Config):
-    """The data a test case trains on: the tiny token stream for text models, the model's own
-    embedded data (the digits) otherwise."""
+    """The data a test case trains on: the tiny token stream for text models without a data
+    path, else what ``cfg`` names (its text or instruction data with its tokenizer, or the
+    model's embedded images)."""
     spec = spec_for(cfg.model)
-    if spec.data == "text":
+    if spec.data == "text" and not cfg.data.path:
         return tiny_dataset()
     from .engine.data import load_data
     return load_data(cfg, spec)

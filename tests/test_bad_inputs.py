@@ -53,7 +53,9 @@ CASES = [
     ("data-empty-folder", ["--data.path={d}/emptydir"], "has no (non-hidden) files"),
     ("data-shorter-than-a-sequence", ["--data.path={d}/short.txt"],
      "has 10 tokens (bytes) but seq_len=128 needs at least 258"),
-    ("data-binary", ["--data.path={d}/binary.bin"], "looks binary (contains NUL bytes)"),
+    ("data-binary", ["--data.path={d}/binary.dat"], "looks binary (contains NUL bytes)"),
+    ("token-file-ids-outside-vocab", ["--data.path={d}/binary.bin"],
+     "holds id 65534 >= model.vocab_size=256; wrong data.token_dtype"),
     ("data-not-utf8", ["--data.path={d}/latin1.txt"], "is not valid UTF-8 text (byte 1)"),
     ("metrics-folder-missing", ["--metrics", "{d}/no/such/m.jsonl"], "train.metrics="),
     ("device-cuda-missing", ["--train.device=cuda"], "train.device=cuda but no CUDA device"),
@@ -115,7 +117,8 @@ def files(tmp_path_factory):
     (d / "empty.txt").write_text("")
     (d / "emptydir").mkdir()
     (d / "short.txt").write_text("0123456789")
-    (d / "binary.bin").write_bytes(bytes(range(256)) * 8)
+    (d / "binary.dat").write_bytes(bytes(range(256)) * 8)
+    (d / "binary.bin").write_bytes(bytes(range(256)) * 8)  # read as uint16 token ids
     (d / "latin1.txt").write_bytes(("h\u00e9llo w\u00f6rld " * 40).encode("latin-1"))
     hf = d / "hf_other"
     hf.mkdir()

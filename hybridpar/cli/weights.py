@@ -31,9 +31,15 @@ def import_hf(argv: list[str]) -> int:
     args = p.parse_args(argv)
     from ..interop import hf
 
+    from ..engine.tokenizer import copy_tokenizer
+
     m, state = hf.read_hf(args.dir)
     toml = hf.write_ours(args.out, m, state)
-    print(f"imported {len(state)} tensors; train with: hybridpar train --config {toml}")
+    copied = copy_tokenizer(args.dir, args.out)
+    print(f"imported {len(state)} tensors"
+          + (f" and its tokenizer ({', '.join(copied)}: training and generate use it)" if copied
+             else " (no tokenizer files there: training uses bytes)")
+          + f"; train with: hybridpar train --config {toml}")
     return 0
 
 
@@ -77,6 +83,9 @@ def export(argv: list[str]) -> int:
         raise ConfigError(f"{args.src} declares no model config; pass --config or --model.* fields")
     state = hf.open_state(args.src)
     hf.write_hf(args.out, m, {k: state[k] for k in state})
+    from ..engine.tokenizer import copy_tokenizer
+    if os.path.isdir(args.src):
+        copy_tokenizer(args.src, args.out)
     print(f"wrote {args.out}/config.json and {args.out}/model.safetensors "
           f"(LlamaForCausalLM.from_pretrained('{args.out}'))")
     return 0
@@ -85,7 +94,7 @@ def export(argv: list[str]) -> int:
 def generate(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
         prog="hybridpar generate",
-        description="Continue a prompt with a model (byte-level tokens, one process, CPU). SRC is "
+        description="Continue a prompt with a model (its own tokenizer, else bytes; one process, CPU). SRC is "
                     "a training checkpoint (a step_NNNNNN folder or a checkpoint.dir: its latest) or "
                     "anything --model.init_from accepts (an import-hf folder, a Hugging Face folder, "
                     "or a weights file with --config).")
@@ -95,6 +104,8 @@ def generate(argv: list[str]) -> int:
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=40, help="sample among the k most likely; 0 = all")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokenizer", default="", help="'byte' or a tokenizer.json (or its folder); "
+                                                   "default: SRC's own tokenizer, else bytes")
     p.add_argument("--config", help="TOML whose [model] table describes SRC (bare files only)")
     args, rest = p.parse_known_args(argv)
     import math
@@ -119,7 +130,7 @@ def generate(argv: list[str]) -> int:
             src = tmp
         text = complete(src, args.prompt, base=_base_model(args.config, rest),
                         max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                        top_k=args.top_k, seed=args.seed)
+                        top_k=args.top_k, seed=args.seed, tokenizer=args.tokenizer)
     print(args.prompt + text)
     return 0
 

@@ -18,6 +18,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..reliability.errors import UserError
+
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets), each (rows, seq_len) int64
 
 _SEPARATOR = b"\n"
@@ -25,7 +27,7 @@ _STDLIB_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 _CACHE_FORMAT = "v1"  # bump when the walk rules change, so old caches are not reused
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """Unusable data; the message names the path and what to do about it."""
 
 
@@ -187,16 +189,48 @@ def split_tokens(tokens: np.ndarray, *, seq_len: int,
     return tokens[:n_train], tokens[n_train:]
 
 
-def load_dataset(path: str | None, *, seq_len: int, val_fraction: float = 0.05) -> Dataset:
-    """Load user data at `path` (or the stdlib corpus when None) and split it into train/val."""
+def load_dataset(path: str | None, *, seq_len: int, val_fraction: float = 0.05, tokenizer=None,
+                 text_field: str = "text", token_dtype: str = "uint16", vocab_size: int = 256,
+                 fmt: str = "auto"):
+    """Load the data at `path` (or the stdlib corpus when None) and split it into train/val:
+    bytes by default, else tokenised by ``tokenizer`` (see ``corpus``); token files as they
+    are; instruction JSONL as an ``InstructionDataset``."""
+    from . import corpus
+
     if seq_len < 1:
         raise ValueError(f"seq_len={seq_len} must be >= 1")
-    if path is None:
-        tokens, n_files = default_corpus()
-        source = f"stdlib corpus {sysconfig.get_paths()['stdlib']}"
+    byte = tokenizer is None or tokenizer.name == "byte"
+    files = corpus.data_files(path) if path is not None else None
+    kinds = {f.suffix in corpus.TOKEN_FILES for f in files} if files else {False}
+    if len(kinds) > 1:
+        token = next(f for f in files if f.suffix in corpus.TOKEN_FILES)
+        text = next(f for f in files if f.suffix not in corpus.TOKEN_FILES)
+        raise DataError(f"data folder {path!r} mixes text ({str(text)!r}) with {str(token)!r}, a "
+                        f"token file (.npy/.bin) or binary; keep one kind per folder")
+    sft = bool(files) and fmt != "text" and any(corpus.is_instruction_file(f) for f in files)
+    if fmt == "sft" and not sft:
+        raise DataError(f"data.format=sft: {path!r} has no JSONL with prompt/response or messages")
+    if sft:
+        return corpus.load_instructions(files, tokenizer or _byte(), seq_len=seq_len,
+                                        val_fraction=val_fraction)
+    if files and True in kinds:
+        parts = [corpus.read_token_file(f, token_dtype, vocab_size) for f in files]
+        tokens = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        n_files, source = len(files), str(path)
+    elif byte and not any(f.suffix == ".jsonl" for f in files or ()):
+        if path is None:
+            tokens, n_files = default_corpus()
+            source = f"stdlib corpus {sysconfig.get_paths()['stdlib']}"
+        else:
+            tokens, n_files = read_user_data(path)
+            source = str(path)
     else:
-        tokens, n_files = read_user_data(path)
-        source = str(path)
+        if files is None:
+            root = Path(sysconfig.get_paths()["stdlib"])
+            files = _sorted_files(root, skip_dir=lambda d: d in _STDLIB_SKIP_DIRS,
+                                  keep_file=lambda f: f.endswith(".py"))
+        tokens, n_files = corpus.tokenize_files(files, tokenizer or _byte(), text_field)
+        source = f"{path or 'stdlib corpus'} ({(tokenizer or _byte()).name} tokens)"
     need = 2 * (seq_len + 1)  # one window each for train and val
     if len(tokens) < need:
         raise DataError(f"data {source!r} has {len(tokens):,} tokens (bytes) but seq_len={seq_len} "
@@ -207,6 +241,11 @@ def load_dataset(path: str | None, *, seq_len: int, val_fraction: float = 0.05) 
     except DataError as e:
         raise DataError(f"data {source!r}: {e}; lower val_fraction or add data") from None
     return Dataset(train=train, val=val, source=source, n_files=n_files)
+
+
+def _byte():
+    from .tokenizer import ByteTokenizer
+    return ByteTokenizer()
 
 
 def _row_range(n_rows: int, dp_rank: int, dp_size: int) -> tuple[int, int]:
@@ -315,5 +354,9 @@ def load_data(cfg, spec):
     if spec.data != "text":
         raise DataError(f"model {spec.name!r}: ModelSpec.data={spec.data!r} is unknown; use "
                         f"'text', 'digits', 'denoising' or a function (Config) -> dataset")
-    return load_dataset(cfg.data.path or None, seq_len=cfg.model.seq_len,
-                        val_fraction=cfg.data.val_fraction)
+    from .tokenizer import load_tokenizer
+    d = cfg.data
+    tok = load_tokenizer(d.tokenizer, cfg.model.init_from, vocab_size=cfg.model.vocab_size)
+    return load_dataset(d.path or None, seq_len=cfg.model.seq_len, val_fraction=d.val_fraction,
+                        tokenizer=tok, text_field=d.text_field, token_dtype=d.token_dtype,
+                        vocab_size=cfg.model.vocab_size, fmt=d.format)

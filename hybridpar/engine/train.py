@@ -31,6 +31,7 @@ from ..parallel.pipeline.boundaries import infer_boundaries
 from ..parallel.pipeline.runtime import PipelineRunner
 from ..parallel.pipeline.schedules import build as build_schedule, forward_only
 from ..parallel.pipeline.simulate import check as check_schedule
+from ..parallel.tensor_parallel.layers import IGNORE_INDEX
 from ..reliability import watchdog
 from ..reliability.watchdog import activity, find_straggler
 
@@ -81,6 +82,13 @@ def _local_rows(step: int, cfg: Config, mesh: ParallelMesh, dataset, split: str 
     return [x.to(mesh.device) for x, _ in mbs], [y.to(mesh.device) for _, y in mbs]
 
 
+def _counted_targets(step: int, cfg: Config, dataset, split: str = "train") -> int:
+    """Targets the loss counts in the whole global batch (masked data: not the prompts)."""
+    batch = dataset.batch(split, step, seed=cfg.train.seed, global_batch_size=cfg.train.global_batch,
+                          seq_len=cfg.model.seq_len)
+    return int((batch[1] != IGNORE_INDEX).sum())
+
+
 class Trainer:
     """State of one run on one rank: model piece, optimizer, schedule, runner."""
 
@@ -126,11 +134,25 @@ class Trainer:
         self.skips = 0  # consecutive steps skipped for a non-finite loss or gradient norm
         self.busy = [0.0, 0]  # busy seconds and steps since the last straggler check
         self.faults = faults_for(mesh.rank)  # HYBRIDPAR_FAULT, for testing failure handling
+        self.masked = bool(getattr(self.dataset, "masked", False))  # loss on some targets only
+        self.loss_norm = 1.0
         # --resume / checkpoint.load / a restarted torchrun worker: state of any layout's checkpoint
         self.resumed_from = checkpoint.resume(self)
 
+    def _set_loss_norm(self, step: int, split: str = "train") -> None:
+        """Masked data (instruction tuning): the loss of a step is the sum over the counted
+        targets of the global batch / their number, identical on every layout. A micro-batch
+        contributes sum_mb * (M * dp / n); the runtime divides by M and the dp average by dp."""
+        if self.masked:
+            n = _counted_targets(step, self.cfg, self.dataset, split)
+            p = self.cfg.parallel
+            self.loss_norm = p.microbatches * p.dp / max(n, 1)
+
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        loss = self.pm.loss(logits, targets)
+        if self.masked:
+            loss = self.pm.loss(logits, targets, reduction="sum") * self.loss_norm
+        else:
+            loss = self.pm.loss(logits, targets)
         return loss * self.scaler.scale if self.scaler is not None and torch.is_grad_enabled() else loss
 
     def train_step(self, callbacks: Callbacks | None = None) -> dict:
@@ -139,6 +161,7 @@ class Trainer:
         activity.begin_step(self.step + 1)
         activity.mark("data")
         xs, ys = _local_rows(self.step, cfg, mesh, self.dataset)
+        self._set_loss_norm(self.step)
         pm.grad_sync.zero_grad()
         self.meter.reset()
         st = self.runner.run(self.actions, xs, ys)
@@ -256,6 +279,7 @@ class Trainer:
         try:
             for i in range(n):
                 xs, ys = _local_rows(i, cfg, mesh, self.dataset, "val")
+                self._set_loss_norm(i, "val")
                 st = self.runner.run(self.eval_actions, xs, ys)
                 if self.pm.is_last and mesh.tp_rank == 0:
                     total += sum(v.item() for v in st.losses.values())

@@ -39,4 +39,9 @@ def export(ckpt: str | os.PathLike, out: str | os.PathLike, fmt: str = "auto") -
         hf.write_hf(Path(out), m, state)
     else:
         hf.write_ours(Path(out), m, state)
+    from ..engine.tokenizer import BYTE, copy_tokenizer, tokenizer_path
+    data = record.get("config", {}).get("data", {})
+    tok = tokenizer_path(data.get("tokenizer", ""), m.init_from)
+    if tok != BYTE and Path(tok).exists():  # the tokenizer the run trained with goes along
+        copy_tokenizer(tok, out)
     return m, int(record["step"])

@@ -1,7 +1,7 @@
-"""Text generation from a trained or imported model, in one process, byte-level.
+"""Text generation from a trained or imported model, in one process.
 
-Tokens are bytes (vocab 256, as in ``data.py``): the prompt is its UTF-8 bytes and the output
-is decoded back with invalid sequences replaced. Each new token re-runs the model on the last
+Text is encoded and decoded with the model's tokenizer (a folder's tokenizer.json, e.g. an
+imported Hugging Face model's) or, by default, as UTF-8 bytes (invalid sequences replaced). Each new token re-runs the model on the last
 ``seq_len`` tokens (no KV cache: simple, and the model only knows positions < seq_len).
 ``temperature`` 0 is greedy; otherwise softmax(logits / temperature) restricted to the
 ``top_k`` most likely tokens (0 = all), sampled from a seeded generator.
@@ -69,8 +69,9 @@ def pick(logits: torch.Tensor, *, temperature: float, top_k: int,
 
 @torch.no_grad()
 def generate(model: Transformer, prompt: list[int], *, max_new_tokens: int, temperature: float = 0.0,
-             top_k: int = 0, seed: int = 0) -> list[int]:
-    """The ``max_new_tokens`` tokens following ``prompt`` (token ids)."""
+             top_k: int = 0, seed: int = 0, eos_id: int | None = None) -> list[int]:
+    """Up to ``max_new_tokens`` tokens following ``prompt`` (token ids); stops before
+    ``eos_id`` when the model emits it."""
     if not prompt:
         raise ValueError("prompt must hold at least one token")
     device = next(model.parameters()).device
@@ -80,14 +81,30 @@ def generate(model: Transformer, prompt: list[int], *, max_new_tokens: int, temp
     for _ in range(max_new_tokens):
         x = torch.tensor([ids[-window:]], device=device)
         logits = model(x)[0, -1].cpu()
-        ids.append(pick(logits, temperature=temperature, top_k=top_k, generator=g))
+        nxt = pick(logits, temperature=temperature, top_k=top_k, generator=g)
+        if nxt == eos_id:
+            break
+        ids.append(nxt)
     return ids[len(prompt):]
 
 
 def complete(source: str | os.PathLike, prompt: str, *, base: ModelConfig | None = None,
-             max_new_tokens: int = 200, temperature: float = 0.8, top_k: int = 40, seed: int = 0) -> str:
-    """``prompt`` continued by the model at ``source``, as text."""
+             max_new_tokens: int = 200, temperature: float = 0.8, top_k: int = 40, seed: int = 0,
+             tokenizer: str = "") -> str:
+    """``prompt`` continued by the model at ``source``, as text: encoded and decoded with
+    ``tokenizer`` (default: the tokenizer.json of a ``source`` folder, else bytes), stopping
+    at its end-of-text token (bytes: never)."""
+    from pathlib import Path
+
+    from ..engine.tokenizer import load_tokenizer
+
     model = load_model(source, base=base)
-    new = generate(model, encode(prompt, model.cfg.vocab_size), max_new_tokens=max_new_tokens,
-                   temperature=temperature, top_k=top_k, seed=seed)
-    return decode(new)
+    folder = str(source) if Path(source).is_dir() else ""
+    tok = load_tokenizer(tokenizer, folder, vocab_size=model.cfg.vocab_size)
+    if tok.name == "byte":
+        ids, eos = encode(prompt, model.cfg.vocab_size), None
+    else:
+        ids, eos = tok.encode(prompt, special=True) or [tok.eos_id], tok.eos_id
+    new = generate(model, ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                   top_k=top_k, seed=seed, eos_id=eos)
+    return tok.decode(new)

@@ -75,15 +75,15 @@ class ParallelModel:
     def units(self) -> list[str]:
         return [u for stage in self.chunks for u in stage.units]
 
-    def loss(self, output, targets: torch.Tensor) -> torch.Tensor:
+    def loss(self, output, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         """The spec's loss of one micro-batch (a mean); the library's token cross-entropy is
-        vocab-parallel when the head is split over tp."""
+        vocab-parallel when the head is split over tp, and can be a sum (masked targets)."""
         if self.spec.loss != CROSS_ENTROPY:
             return self.spec.loss(output, targets)
         if not self.vocab_parallel_loss:
-            return cross_entropy(output, targets)
+            return cross_entropy(output, targets, reduction=reduction)
         return cross_entropy(output, targets, group=self.mesh.group("tp"),
-                             vocab_start=self.mesh.tp_rank * output.size(-1))
+                             vocab_start=self.mesh.tp_rank * output.size(-1), reduction=reduction)
 
     def named_parameters(self):
         return self.module.named_parameters()

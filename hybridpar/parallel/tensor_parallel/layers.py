@@ -70,11 +70,18 @@ class _VocabParallelCE(torch.autograd.Function):
         return grad.to(ctx.in_dtype), None, None, None
 
 
+IGNORE_INDEX = -100  # targets that count nothing (masked prompt or padding tokens)
+
+
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *, group=None,
-                  vocab_start: int = 0) -> torch.Tensor:
-    """Mean token cross-entropy of (..., V_local) logits; vocab-parallel when ``group`` has >1 rank."""
+                  vocab_start: int = 0, reduction: str = "mean") -> torch.Tensor:
+    """Token cross-entropy of (..., V_local) logits, the mean (or sum) over targets other than
+    ``IGNORE_INDEX``; vocab-parallel when ``group`` has >1 rank."""
     logits = logits.reshape(-1, logits.size(-1))
     targets = targets.reshape(-1)
     if group is None or dist.get_world_size(group) == 1:
-        return F.cross_entropy(logits.float(), targets)
-    return _VocabParallelCE.apply(logits, targets, vocab_start, group).mean()
+        return F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction=reduction)
+    per_token = _VocabParallelCE.apply(logits, targets, vocab_start, group)
+    keep = targets != IGNORE_INDEX  # an ignored target is outside every shard: zero weight
+    total = (per_token * keep).sum()
+    return total if reduction == "sum" else total / keep.sum().clamp(min=1)
