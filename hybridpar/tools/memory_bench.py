@@ -87,7 +87,8 @@ def layouts_table(base: Config, layouts: list[tuple[int, int, int]]) -> None:
     print(f"{'layout':8s} {'activations max':>16s} {'min':>8s} {'vs 1 rank':>10s} {'params max':>11s}"
           f"  per pipeline stage (activations)")
     for dp, tp, pp in layouts:
-        cfg = replace(base, parallel=replace(base.parallel, dp=dp, tp=tp, pp=pp))
+        cfg = replace(base, parallel=replace(base.parallel, dp=dp, tp=tp, pp=pp,
+                                             pp_split=base.parallel.pp_split if pp > 1 else ""))
         res = spawn(_layout_worker, dp * tp * pp, cfg)
         acts = [r["activations"] for r in res.values()]
         first = first or max(acts)
@@ -127,6 +128,7 @@ def main(argv=None) -> None:
     ap.add_argument("--image-size", type=int, default=256, help="layouts mode: synthetic image size")
     ap.add_argument("--global-batch", type=int, default=8)
     ap.add_argument("--layouts", nargs="*", help="e.g. 1x1x1 1x1x2 1x2x1: the per-rank table instead")
+    ap.add_argument("--pp-split", default="", help="layouts mode: blocks per stage, e.g. 2,6 (all pp>1 layouts)")
     a = ap.parse_args(argv)
     if a.layouts:
         base = Config()
@@ -134,7 +136,7 @@ def main(argv=None) -> None:
                                            n_layers=8),
                        data=replace(base.data, images="synthetic", n_images=4 * a.global_batch,
                                     val_fraction=0.2),
-                       parallel=replace(base.parallel, microbatches=a.microbatches),
+                       parallel=replace(base.parallel, microbatches=a.microbatches, pp_split=a.pp_split),
                        train=replace(base.train, steps=1, eval_every=0, progress=False,
                                      global_batch=a.global_batch, threads_per_rank=1))
         layouts_table(base, [tuple(int(x) for x in s.split("x")) for s in a.layouts])
