@@ -64,9 +64,9 @@ def _run(method: str, files: list[str], tokenizer: str, cache: str, q) -> None:
         n, parts = 0, []
         for i in range(0, len(paths), 1024):
             texts = [p.read_text(encoding="utf-8") for p in paths[i:i + 1024]]
-            for ids in tok._tok.encode_batch(texts, add_special_tokens=False):
-                parts.append(np.asarray(ids, dtype=np.uint16))
-                n += len(ids) + 1
+            for enc in tok._tok.encode_batch(texts, add_special_tokens=False):
+                parts.append(np.asarray(enc.ids, dtype=np.uint16))
+                n += len(enc.ids) + 1
     else:
         tokens, _ = corpus.tokenize_files(paths, tok, progress=False)
         n = len(tokens)
@@ -93,8 +93,10 @@ def main(argv=None) -> None:
             q = ctx.Queue()
             p = ctx.Process(target=_run, args=(method, [str(f) for f in files], tokenizer, str(tmp / "cache"), q))
             p.start()
-            dt, n, rss = q.get()
             p.join()
+            if p.exitcode != 0:
+                raise SystemExit(f"{method} failed (exit code {p.exitcode}); its traceback is above")
+            dt, n, rss = q.get()
             base = base or dt
             print(f"{method:16s} {dt:8.2f} {mb / dt:7.1f} {n:12,d} {rss:13.0f} {dt / base:10.2f}")
 
