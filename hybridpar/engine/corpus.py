@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .data import DataError, _read_text_file, _sorted_files, cache_dir
+from .data import DataError, _read_text_file, _sorted_files, cache_dir, sample_rows
 
 IGNORE = -100  # target id the loss skips (prompt and padding positions)
 TOKEN_FILES = (".npy", ".bin")
@@ -229,15 +229,7 @@ class InstructionDataset:
               seq_len: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         i = 0 if split == "train" else 1
         x, y = self.inputs[i], self.targets[i]
-        n = len(x)
-        pos = step * global_batch_size + np.arange(global_batch_size)
-        if split == "train":
-            rows = np.empty(global_batch_size, dtype=np.int64)
-            for epoch in np.unique(pos // n):
-                at = pos // n == epoch
-                rows[at] = np.random.default_rng([seed, int(epoch)]).permutation(n)[pos[at] % n]
-        else:
-            rows = pos % n
+        rows = sample_rows(len(x), split, step, seed=seed, global_batch_size=global_batch_size)
         return (torch.from_numpy(x[rows].astype(np.int64)), torch.from_numpy(y[rows].astype(np.int64)))
 
     def max_batches(self, split: str, global_batch_size: int) -> int:

@@ -243,6 +243,20 @@ def load_dataset(path: str | None, *, seq_len: int, val_fraction: float = 0.05, 
     return Dataset(train=train, val=val, source=source, n_files=n_files)
 
 
+def sample_rows(n: int, split: str, step: int, *, seed: int, global_batch_size: int) -> np.ndarray:
+    """Rows of a global batch over ``n`` samples, a pure function of (seed, step): row i of step
+    k is ``perm_e[(k B + i) mod n]`` with a permutation seeded by (seed, epoch e) for training,
+    the samples in order for validation."""
+    pos = step * global_batch_size + np.arange(global_batch_size)
+    if split != "train":
+        return pos % n
+    rows = np.empty(global_batch_size, dtype=np.int64)
+    for epoch in np.unique(pos // n):
+        at = pos // n == epoch
+        rows[at] = np.random.default_rng([seed, int(epoch)]).permutation(n)[pos[at] % n]
+    return rows
+
+
 def _byte():
     from .tokenizer import ByteTokenizer
     return ByteTokenizer()

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .data import DataError
+from .data import DataError, sample_rows
 
 __all__ = ["ImageDataset", "DenoisingDataset", "digits", "synthetic", "denoising_digits", "images_for"]
 
@@ -26,15 +26,7 @@ class ImageDataset:
     def batch(self, split: str, step: int, *, seed: int, global_batch_size: int,
               seq_len: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         images, labels = getattr(self, split)
-        n = len(labels)
-        pos = step * global_batch_size + np.arange(global_batch_size)
-        if split == "train":
-            rows = np.empty(global_batch_size, dtype=np.int64)
-            for epoch in np.unique(pos // n):
-                at = pos // n == epoch
-                rows[at] = np.random.default_rng([seed, int(epoch)]).permutation(n)[pos[at] % n]
-        else:
-            rows = pos % n
+        rows = sample_rows(len(labels), split, step, seed=seed, global_batch_size=global_batch_size)
         return torch.from_numpy(images[rows]), torch.from_numpy(labels[rows])
 
     def max_batches(self, split: str, global_batch_size: int) -> int:
