@@ -166,3 +166,14 @@ def test_a_model_with_buffers_outside_batchnorm_is_refused_in_one_line():
     with pytest.raises(ConfigError, match=r"model 'table-net' has buffers \(1.scale\) outside "
                                           r"BatchNorm layers"):
         check_model(Config(), buffer_spec)
+
+def test_train_at_the_top_level_of_a_script_is_one_error_before_any_process(tmp_path):
+    """Spawned ranks import the launching script: an unguarded hybridpar.train() is named with
+    its line, before any rank starts (not multiprocessing's bootstrapping error per rank)."""
+    script = tmp_path / "noguard.py"
+    script.write_text("import hybridpar\nfrom hybridpar.config import Config, ParallelConfig\n"
+                      "hybridpar.train(Config(parallel=ParallelConfig(dp=2)))\n")
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert f"{script}:3 calls hybridpar.train() at the top level" in r.stderr, r.stderr[-2000:]
+    assert "bootstrapping" not in r.stderr
