@@ -183,7 +183,8 @@ def test_generate_and_export_keep_the_tokenizer(world, tmp_path, capsys):
 
 
 def test_every_format_gives_the_same_token_stream(world, tmp_path):
-    """A text folder, JSON lines of the same texts, and the token ids as .npy and .bin files."""
+    """A text folder, JSON lines of the same texts, the token ids as .npy and .bin files, and a
+    Hugging Face dataset saved on disk (Dataset and DatasetDict) and as parquet."""
     tok = HFTokenizer(world["imported"])
     kw = dict(seq_len=SEQ, val_fraction=0.25, tokenizer=tok, vocab_size=VOCAB)
     text = load_dataset(str(world["text"]), **kw)
@@ -194,7 +195,14 @@ def test_every_format_gives_the_same_token_stream(world, tmp_path):
     stream.astype(np.uint16).tofile(tmp_path / "tokens.bin")
     npy = load_dataset(str(tmp_path / "tokens.npy"), **kw)
     binary = load_dataset(str(tmp_path / "tokens.bin"), token_dtype="uint16", **kw)
-    for other in (jsonl, npy, binary):
+    datasets = pytest.importorskip("datasets")
+    ds = datasets.Dataset.from_dict({"body": _texts()})
+    ds.save_to_disk(str(tmp_path / "hfds"))
+    datasets.DatasetDict({"train": ds}).save_to_disk(str(tmp_path / "hfdict"))
+    ds.to_parquet(str(tmp_path / "docs.parquet"))
+    saved = [load_dataset(str(tmp_path / p), text_field="body", **kw)
+             for p in ("hfds", "hfdict", "docs.parquet")]
+    for other in (jsonl, npy, binary, *saved):
         assert np.array_equal(np.concatenate([other.train, other.val]), stream), other.source
 
 
@@ -213,5 +221,8 @@ def test_bad_token_data_is_one_line(world, tmp_path):
     np.arange(300, dtype=np.uint16).tofile(tmp_path / "t.bin")
     with pytest.raises(DataError, match="holds id .* >= model.vocab_size=320; wrong data.token_dtype"):
         load_dataset(str(tmp_path / "t.bin"), token_dtype="uint32", **kw)
+    pytest.importorskip("datasets").Dataset.from_dict({"body": ["x"]}).to_parquet(str(tmp_path / "p.parquet"))
+    with pytest.raises(DataError, match="p.parquet' has no column 'text' \\(columns: body\\); set data.text_field"):
+        load_dataset(str(tmp_path / "p.parquet"), **kw)
     with pytest.raises(DataError, match="no tokenizer.json there"):
         load_tokenizer(str(tmp_path))

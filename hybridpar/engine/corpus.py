@@ -10,6 +10,9 @@ Formats of ``data.path`` (a file, or a folder whose non-hidden files are read in
                        with ``prompt`` + ``response`` (or ``messages``) are instruction data
 ``*.npy``              a 1-D integer array of token ids (``np.save``), memory-mapped
 ``*.bin``              raw token ids of ``data.token_dtype`` (uint16, nanoGPT's; or uint32)
+``*.parquet/*.arrow``  one document per row, its ``data.text_field`` column
+HF ``datasets`` folder ``save_to_disk`` of a Dataset (or a DatasetDict's ``train``): its arrow
+                       shards, column ``data.text_field``; read with pyarrow, no ``datasets``
 =====================  =========================================================================
 
 Documents are tokenised with the run's tokenizer (``tokenizer.py``; ``encode_batch`` is
@@ -40,6 +43,22 @@ def token_dtype(vocab_size: int) -> type:
     return np.uint16 if vocab_size <= 2 ** 16 else np.uint32
 
 
+def hf_dataset_files(root: Path) -> list[Path] | None:
+    """The arrow files of a Hugging Face ``datasets`` folder (``save_to_disk``): a Dataset's
+    ``state.json`` lists them; a DatasetDict's ``dataset_dict.json`` names splits, of which
+    ``train`` is read (the validation split is held out from it, as for any data)."""
+    if (root / "dataset_dict.json").is_file():
+        splits = json.loads((root / "dataset_dict.json").read_text()).get("splits", [])
+        if "train" not in splits:
+            raise DataError(f"Hugging Face dataset {str(root)!r} has splits {splits}, no 'train'")
+        root = root / "train"
+    state = root / "state.json"
+    if not state.is_file():
+        return None
+    names = [d["filename"] for d in json.loads(state.read_text()).get("_data_files", [])]
+    return [root / n for n in names]
+
+
 def data_files(path: str | os.PathLike) -> list[Path]:
     root = Path(path)
     if not root.exists():
@@ -47,6 +66,9 @@ def data_files(path: str | os.PathLike) -> list[Path]:
                         f"or folder, or no path for the built-in stdlib corpus")
     if not root.is_dir():
         return [root]
+    hf = hf_dataset_files(root)
+    if hf is not None:
+        return hf
     files = _sorted_files(root, skip_dir=lambda d: d.startswith("."),
                           keep_file=lambda f: not f.startswith("."))
     if not files:
@@ -100,10 +122,38 @@ def is_instruction_file(path: Path) -> bool:
     return False
 
 
+def _table_column(path: Path, field: str):
+    """One string column of a parquet or arrow file (a Hugging Face dataset's shards)."""
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(f"{str(path)!r}: parquet/arrow data needs pyarrow: pip install pyarrow") from None
+    try:
+        if path.suffix == ".parquet":
+            table = pq.read_table(path)
+        else:
+            with pa.memory_map(str(path)) as src:
+                try:
+                    table = pa.ipc.open_stream(src).read_all()
+                except pa.ArrowInvalid:
+                    table = pa.ipc.open_file(src).read_all()
+    except (OSError, pa.ArrowException) as e:
+        raise DataError(f"{str(path)!r} cannot be read as {path.suffix[1:]}: {e}") from None
+    if field not in table.column_names:
+        raise DataError(f"{str(path)!r} has no column {field!r} (columns: "
+                        f"{', '.join(table.column_names[:6])}); set data.text_field")
+    for batch in table.column(field).chunks:
+        yield from (t for t in batch.to_pylist() if isinstance(t, str))
+
+
 def documents(files: list[Path], text_field: str):
-    """Texts of the documents, in order: a text file is one, a JSONL line is one."""
+    """Texts of the documents, in order: a text file is one, a JSONL line or a row of a
+    parquet/arrow table is one."""
     for path in files:
-        if path.suffix == ".jsonl":
+        if path.suffix in (".parquet", ".arrow"):
+            yield from _table_column(path, text_field)
+        elif path.suffix == ".jsonl":
             for i, rec in _jsonl(path):
                 if text_field not in rec:
                     raise DataError(f"{path}:{i} has no field {text_field!r} (fields: "

@@ -217,7 +217,7 @@ def load_dataset(path: str | None, *, seq_len: int, val_fraction: float = 0.05, 
         parts = [corpus.read_token_file(f, token_dtype, vocab_size) for f in files]
         tokens = parts[0] if len(parts) == 1 else np.concatenate(parts)
         n_files, source = len(files), str(path)
-    elif byte and not any(f.suffix == ".jsonl" for f in files or ()):
+    elif byte and not any(f.suffix in (".jsonl", ".parquet", ".arrow") for f in files or ()):
         if path is None:
             tokens, n_files = default_corpus()
             source = f"stdlib corpus {sysconfig.get_paths()['stdlib']}"
