@@ -11,16 +11,20 @@ TINY = ["--model.n_layers=2", "--model.d_model=32", "--model.n_heads=4", "--mode
         "--train.eval_every=5", "--train.eval_batches=1", "--train.progress=false"]
 
 
-def _run(args, timeout=180, **kw):
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "PYTHONUNBUFFERED": "1"}
+def _run(args, timeout=180, env_extra=None, **kw):
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "PYTHONUNBUFFERED": "1", **(env_extra or {})}
     return subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env, **kw)
 
 
 def test_train_spawns_ranks_and_writes_metrics(tmp_path):
     metrics = tmp_path / "m.jsonl"
+    tmp = tmp_path / "tmp"  # the launcher's temporary files: none may be left behind
+    tmp.mkdir()
     r = _run([sys.executable, "-m", "hybridpar", "train", "--dp", "1", "--tp", "1", "--pp", "2",
-              "--microbatches", "2", "--steps", "10", "--metrics", str(metrics), *TINY])
+              "--microbatches", "2", "--steps", "10", "--metrics", str(metrics), *TINY],
+             env_extra={"TMPDIR": str(tmp)})
     assert r.returncode == 0, r.stderr[-3000:]
+    assert not [p.name for p in tmp.iterdir() if p.name.startswith(("torchelastic_", "hybridpar-launch-"))]
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [m["step"] for m in rows] == list(range(1, 11))
     for key in ("loss", "grad_norm", "lr", "tokens_per_s", "max_mem_bytes", "layout"):

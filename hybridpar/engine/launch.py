@@ -99,11 +99,23 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, max_restarts: int = 0
     for name in ("torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    import shutil
+    import tempfile
+
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+
+    # the agent's per-run folder (error files, logs) is ours to remove: no torchelastic_* left
+    # behind in the temp folder by every run (a failure's messages are read before removal)
+    logs = tempfile.mkdtemp(prefix="hybridpar-launch-")
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nprocs,
                           run_id=f"hybridpar-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
                           rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=max_restarts,
-                          monitor_interval=0.1, start_method="spawn")
-    return elastic_launch(config, fn)(*args)
+                          monitor_interval=0.1, start_method="spawn",
+                          logs_specs=DefaultLogsSpecs(log_dir=logs))
+    try:
+        return elastic_launch(config, fn)(*args)
+    finally:
+        shutil.rmtree(logs, ignore_errors=True)
 
 
 def user_error_names() -> tuple[str, ...]:
