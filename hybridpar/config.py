@@ -145,6 +145,7 @@ class TrainConfig:
                         choices=("fp32", "bf16", "fp16"))
     threads_per_rank: int = _f(0, "torch threads per rank; 0 = cores / local ranks")
     progress: bool = _f(True, "show a progress bar on rank 0")
+    summary: bool = _f(True, "print what the run trains (model, layout, data, start state) on rank 0")
     tensorboard: str = _f("", "rank 0 writes TensorBoard event files to this folder "
                               "(pip install 'hybridpar[tensorboard]')")
     peak_tflops: float = _f(0.0, "peak TFLOP/s of one device, for MFU in the TensorBoard logs; 0 = not logged", ge=0)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import sys
 import uuid
 import warnings
@@ -20,6 +21,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
 from ..reliability.watchdog import activity
 from . import store
@@ -44,21 +46,39 @@ def _quiet():
 
 
 def _from_rank0(fn: Callable[[], Any]) -> Any:
-    """Run ``fn`` on rank 0 and give every rank its result, or raise its CheckpointError on
-    every rank."""
+    """Run ``fn`` on rank 0 and give every rank its result, or raise its CheckpointError (or
+    SaveFailed) on every rank."""
     rank, world = _rank_world()
     box: list[Any] = [None]
     if rank == 0:
         try:
             box[0] = ("ok", fn())
-        except CheckpointError as e:
-            box[0] = ("err", str(e))
+        except (CheckpointError, store.SaveFailed) as e:
+            box[0] = (type(e).__name__, str(e))
     if world > 1:
         dist.broadcast_object_list(box, src=0)
     kind, value = box[0]
-    if kind == "err":
-        raise CheckpointError(value)
+    if kind != "ok":
+        raise (store.SaveFailed if kind == "SaveFailed" else CheckpointError)(value)
     return value
+
+
+def _check_space(trainer, root: Path, step: int) -> None:
+    """Rank 0, before a save: the folder's filesystem has room for one more checkpoint (the size
+    of the previous one, else 3 fp32 tensors per parameter: weights and AdamW's two moments;
+    plus 5%)."""
+    problem = store.space_problem(root, step, _need_bytes(trainer, root))
+    if problem:
+        raise store.SaveFailed(problem)
+
+
+def _need_bytes(trainer, root: Path) -> int:
+    previous = store.latest(root) if root.is_dir() else None
+    need = store.checkpoint_bytes(previous) if previous is not None else 0
+    if not need:
+        from ..engine.summary import parameter_count
+        need = 12 * parameter_count(trainer.pm.spec)
+    return int(need * 1.05) + (1 << 20)
 
 
 def _gather(obj: Any) -> list[Any] | None:
@@ -75,16 +95,29 @@ def save(trainer, root: str | os.PathLike, *, keep: int = 0) -> Path:
     returns that folder. Collective."""
     rank, world = _rank_world()
     root, step = Path(root), trainer.step
-    tag = _from_rank0(lambda: uuid.uuid4().hex[:8])
+    tag = _from_rank0(lambda: (_check_space(trainer, root, step), uuid.uuid4().hex[:8])[1])
     tmp = root / f"{store.step_name(step)}.tmp-{tag}"
     if rank == 0:
         tmp.mkdir(parents=True, exist_ok=True)  # DCP may create it first on another rank
     activity.mark("checkpoint save", comm=True)
     moments = Moments.read(trainer.pm, trainer.opt)  # collective over dp under ZeRO-1
     writer = dcp.FileSystemWriter(tmp, sync_files=True)
-    with _quiet():
-        dcp.save(state_dict(trainer.pm, moments, for_load=False), storage_writer=writer,
-                 no_dist=world == 1)
+    try:
+        with _quiet():
+            dcp.save(state_dict(trainer.pm, moments, for_load=False), storage_writer=writer,
+                     no_dist=world == 1)
+    except (Exception, CheckpointException) as e:  # every rank's write failure, on every rank
+        if not store.no_space(e):
+            raise
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # give the space back; never loaded anyway
+        if world > 1:
+            dist.barrier()
+        free = shutil.disk_usage(root).free
+        raise store.SaveFailed(f"no space left on device while saving step {step} in {root} "
+                               f"(needs ~{_need_bytes(trainer, root) / 2**20:,.1f} MiB, "
+                               f"{free / 2**20:,.1f} MiB free after removing the partial save); "
+                               f"{store.kept(root)}") from None
     store.kill_point("shards", rank)
     mine = sorted(p.name for p in tmp.glob(f"__{rank}_*"))
     parts = _gather((store.describe_files(tmp, mine), rng_state()))
@@ -153,6 +186,19 @@ def read_full(path: str | os.PathLike, prefix: str = "model/") -> tuple[dict, di
     with _quiet():
         dcp.load(sd, storage_reader=dcp.FileSystemReader(folder), no_dist=True)
     return read_json(folder, TRAINER), {k[len(prefix):]: v for k, v in sd.items()}
+
+
+def lock_folder(cfg) -> store.FolderLock | None:
+    """Rank 0 takes ``checkpoint.dir``'s lock for the run, so a second job on the same folder is
+    refused at start-up instead of pruning the first one's saves. Collective: a held lock is the
+    same CheckpointError on every rank. The caller releases it."""
+    c = cfg.checkpoint
+    if not c.dir or (c.resume and not c.fresh_if_none and not Path(c.dir).is_dir()):
+        return None  # nothing to lock: ``resume`` names the missing folder
+    rank, _ = _rank_world()
+    lock = store.FolderLock(Path(c.dir)) if rank == 0 else None
+    _from_rank0(lambda: lock.acquire())
+    return lock
 
 
 def resume_problem(folder: str) -> str:

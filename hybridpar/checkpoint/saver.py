@@ -2,7 +2,8 @@
 
 SIGTERM only sets a flag (a signal handler must not touch collectives). At every step boundary
 the ranks agree on it with one all-reduce (max), so a signal reaching any subset of ranks, at
-any moment, makes all of them save the same step together and stop cleanly (exit code 0).
+any moment, makes all of them save the same step together and stop cleanly: exit code 0 with a
+checkpoint to resume from, ``EXIT_TERMINATED`` (143) when no ``checkpoint.dir`` was set.
 """
 from __future__ import annotations
 
@@ -19,20 +20,22 @@ from .core import save
 
 
 class Saver:
-    """Saves ``trainer`` every ``checkpoint.every`` steps, at the last step, and on SIGTERM."""
+    """Saves ``trainer`` every ``checkpoint.every`` steps and at the last step (when
+    ``checkpoint.dir`` is set), and catches SIGTERM in any case."""
 
     def __init__(self, trainer):
         self.trainer = trainer
         self.cfg = trainer.cfg.checkpoint
-        self.preempted = False
+        self.preempted = False  # this rank received SIGTERM
+        self.stopped = False    # the ranks agreed to stop for a SIGTERM
         self.last_saved: Path | None = None
         self._previous = None
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
 
     @classmethod
-    def start(cls, trainer) -> "Saver | None":
-        return cls(trainer) if trainer.cfg.checkpoint.dir else None
+    def start(cls, trainer) -> "Saver":
+        return cls(trainer)
 
     def _on_sigterm(self, signum, frame) -> None:
         self.preempted = True
@@ -51,11 +54,11 @@ class Saver:
         """At a step boundary (every rank): save if due; True when the run must stop now."""
         step = self.trainer.step
         store.kill_point(f"step={step}", self.trainer.mesh.rank)
-        stop = self._agree()
+        self.stopped = self._agree()
         every = self.cfg.every
-        if last or stop or (every > 0 and step % every == 0):
+        if self.cfg.dir and (last or self.stopped or (every > 0 and step % every == 0)):
             self.last_saved = save(self.trainer, self.cfg.dir, keep=self.cfg.keep)
-        return stop
+        return self.stopped
 
     def close(self) -> None:
         if self._previous is not None:

@@ -10,6 +10,7 @@ Layout of ``checkpoint.dir``::
         manifest.json      size and sha256 of every file above: written last
     step_000010.tmp-<id>/  a save in progress (or killed): never loaded, removed by the next save
     latest                 "step_000010": the newest committed checkpoint
+    .lock                  held (flock) by the running job's rank 0: one job per folder
 
 Commit protocol (rank 0, after every rank's files are fsynced): write manifest.json, fsync it
 and the folder, rename the temporary folder to ``step_N``, fsync ``dir``, then replace ``latest``
@@ -25,9 +26,11 @@ import os
 import re
 import shutil
 import signal
+import socket
+import time
 from pathlib import Path
 
-from ..reliability.errors import UserError
+from ..reliability.errors import HybridparError, UserError
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -45,8 +48,60 @@ class CheckpointError(UserError):
     collective = True
 
 
+class SaveFailed(HybridparError):
+    """A save that could not complete (no space left): the partial folder is removed and the
+    previous checkpoint stays ``latest``; raised identically on every rank."""
+
+    collective = True
+
+
 def step_name(step: int) -> str:
     return f"step_{step:06d}"
+
+
+LOCK = ".lock"
+
+
+class FolderLock:
+    """One job per checkpoint folder: an exclusive ``flock`` on ``root/.lock``, held by rank 0
+    for the whole run and released by the kernel when that process ends, however it ends (a
+    lock left by a dead job is never an obstacle: it is not held). The file names the holder,
+    for the message the second job prints."""
+
+    def __init__(self, root: Path):
+        self.root, self._fd = Path(root), None
+
+    def acquire(self) -> None:
+        import fcntl
+
+        self.root.mkdir(parents=True, exist_ok=True)
+        path = self.root / LOCK
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 4096).decode(errors="replace").strip() or "another process"
+                os.close(fd)
+                raise CheckpointError(f"checkpoint.dir={self.root} is in use by another run "
+                                      f"({holder}); wait for it to end, or choose another folder") from None
+            try:  # the holder may have released and removed the file between open and flock
+                same = os.fstat(fd).st_ino == os.stat(path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"host {socket.gethostname()}, pid {os.getpid()}, since "
+                     f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            (self.root / LOCK).unlink(missing_ok=True)  # while still held: no one else's file
+            os.close(self._fd)
+            self._fd = None
 
 
 def kill_point(point: str, rank: int) -> None:
@@ -81,6 +136,52 @@ def sha256_file(path: Path) -> str:
         for block in iter(lambda: fh.read(1 << 22), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def no_space(e: BaseException) -> bool:
+    """Whether a failed write ran out of disk (or quota), however deep DCP wrapped the OSError."""
+    import errno
+
+    seen, todo = set(), [e]
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        todo += [x.__cause__, x.__context__]
+        failures = getattr(x, "failures", None)  # DCP's CheckpointException: {rank: exception}
+        if isinstance(failures, dict):
+            todo += [f for f in failures.values() if isinstance(f, BaseException)]
+    return "No space left on device" in str(e) or "Disk quota exceeded" in str(e)
+
+
+def checkpoint_bytes(folder: Path) -> int:
+    """Bytes of a committed checkpoint, from its manifest."""
+    try:
+        files = json.loads((folder / MANIFEST).read_text())["files"]
+        return sum(f["bytes"] for f in files.values())
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+def space_problem(root: Path, step: int, need: int) -> str | None:
+    """A one-line refusal when the filesystem of ``root`` has less than ``need`` bytes free."""
+    existing = root
+    while not existing.exists():
+        existing = existing.parent
+    free = shutil.disk_usage(existing).free
+    if free >= need:
+        return None
+    return (f"no space left on device to save step {step} in {root} (needs ~{need / 2**20:,.1f} MiB, "
+            f"{free / 2**20:,.1f} MiB free); {kept(root)}")
+
+
+def kept(root: Path) -> str:
+    found = latest(root)
+    return (f"the previous checkpoint {found.name} is intact" if found is not None
+            else "no checkpoint had been saved yet")
 
 
 def describe_files(folder: Path, names: list[str]) -> dict[str, dict]:
@@ -197,6 +298,12 @@ def prune(root: Path, *, keep: int, rank: int = 0) -> None:
             os.rename(folder, gone)  # no longer a checkpoint before any file goes
             kill_point("prune", rank)
             shutil.rmtree(gone, ignore_errors=True)
+    remove_leftovers(root)
+
+
+def remove_leftovers(root: Path) -> None:
+    """Delete what killed or interrupted saves left (``*.tmp-*``): never loaded, only space.
+    Only while no job writes to ``root`` (a save in progress looks the same)."""
     for leftover in root.glob("*.tmp-*"):
         if leftover.is_dir():
             shutil.rmtree(leftover, ignore_errors=True)

@@ -167,10 +167,13 @@ class RunResult(dict):
 
 
 def _train_worker(cfg: Config, dataset=None, model=None) -> RunResult | None:
-    from ..engine.launch import setup, teardown
+    from ..engine.env import under_launcher
+    from ..engine.launch import quit_on_interrupt, setup, teardown
     from ..models import resolve
     from ..engine.train import train
 
+    if under_launcher():
+        quit_on_interrupt()
     try:
         spec = resolve(model, cfg.model) if model is not None else None
         mesh = setup(cfg, spec=spec)
@@ -203,14 +206,41 @@ def run_train(cfg: Config, dataset=None, model=None) -> RunResult | None:
 
     if under_launcher() or cfg.parallel.world_size == 1:
         return _train_worker(cfg, dataset, model)
+    import signal
+
+    from ..engine.launch import Signals
+
     validate(cfg)  # the spawned ranks load the data themselves: ``dataset`` is not pickled over
+    signals = Signals()
     try:
-        return spawn(_train_worker, cfg.parallel.world_size, cfg, None, model).get(0)
+        return spawn(_train_worker, cfg.parallel.world_size, cfg, None, model, signals=signals).get(0)
     except ChildFailedError as e:
         from ..reliability.errors import JobFailed
         from ..engine.launch import USER_ERRORS
+        if signals.received:
+            raise stopped_by(signal.SIGINT if signal.SIGINT in signals.received else signal.SIGTERM,
+                             cfg) from None
         line, typ = describe_failure(e)
         raise (ConfigError(line) if typ in USER_ERRORS else JobFailed(line)) from None
+
+
+def stopped_by(signum: int, cfg: Config) -> Exception:
+    """The one line for a run a signal ended before it could save: what was kept."""
+    import signal
+
+    from ..reliability.errors import EXIT_INTERRUPTED, EXIT_TERMINATED, Stopped
+
+    kept = "nothing was saved (no checkpoint.dir)"
+    if cfg.checkpoint.dir:
+        from ..checkpoint.store import latest, remove_leftovers
+        if Path(cfg.checkpoint.dir).is_dir():  # a save the signal cut short: the ranks are gone
+            remove_leftovers(Path(cfg.checkpoint.dir))
+        found = latest(Path(cfg.checkpoint.dir))
+        kept = (f"the last checkpoint, {found}, is intact; continue with --resume" if found
+                else f"no checkpoint was saved in {cfg.checkpoint.dir} yet")
+    if signum == signal.SIGINT:
+        return Stopped(f"interrupted (Ctrl-C); {kept}", EXIT_INTERRUPTED)
+    return Stopped(f"stopped by SIGTERM before the ranks could save; {kept}", EXIT_TERMINATED)
 
 
 def _launcher_world() -> int | None:
@@ -240,12 +270,12 @@ def main(argv: list[str] | None = None) -> int:
             cfg = parse_train_args(rest)
             validate(cfg, world_size=_launcher_world())
             dataset = check_inputs(cfg)
-            last = run_train(cfg, dataset)
-            if last:
-                print(f"done: step {last['step']} loss {last['loss']:.4f}"
-                      + (f" val_loss {last['val_loss']:.4f}" if "val_loss" in last else "")
-                      + (f" val_accuracy {last['val_accuracy']:.4f}" if "val_accuracy" in last else ""))
-            return 0
+            try:
+                last = run_train(cfg, dataset)
+            except KeyboardInterrupt:  # one process: Ctrl-C reaches us directly
+                import signal
+                raise stopped_by(signal.SIGINT, cfg) from None
+            return end_line(last)
         if cmd in WEIGHT_COMMANDS:
             return WEIGHT_COMMANDS[cmd][0](rest)
         if cmd == "bench":
@@ -268,6 +298,28 @@ def main(argv: list[str] | None = None) -> int:
         if code is None:
             raise
         return code
+
+
+def end_line(last: dict | None) -> int:
+    """Print how the run ended (rank 0's last metrics) and return the exit code."""
+    from ..reliability.errors import EXIT_TERMINATED
+
+    if not last:
+        return 0
+    where = f"step {last['step']} loss {last['loss']:.4f}" \
+        + (f" val_loss {last['val_loss']:.4f}" if "val_loss" in last else "") \
+        + (f" val_accuracy {last['val_accuracy']:.4f}" if "val_accuracy" in last else "")
+    saved = last.get("checkpoint")
+    if last.get("stopped_by"):
+        if saved:
+            print(f"stopped by {last['stopped_by']} after {where}; saved {saved}; "
+                  f"continue with --resume")
+            return 0
+        print(f"stopped by {last['stopped_by']} after {where}; nothing was saved (set "
+              f"checkpoint.dir to save on preemption)")
+        return EXIT_TERMINATED
+    print(f"done: {where}" + (f"; saved {saved}" if saved else ""))
+    return 0
 
 
 def _report(e: Exception) -> int | None:

@@ -5,8 +5,12 @@ We never write our own launcher or rendezvous: ``spawn`` is ``torch.distributed.
 """
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
 import os
+import signal
 import socket
+import threading
 import uuid
 from datetime import timedelta
 from typing import Any, Callable
@@ -86,24 +90,76 @@ def teardown() -> None:
         dist.destroy_process_group()
 
 
-def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, max_restarts: int = 0) -> dict[int, Any]:
+class Signals:
+    """How the launching process treats SIGTERM and SIGINT while its ranks run.
+
+    torch's agent turns both into an exception that kills the ranks and a traceback. We take them
+    instead: SIGTERM (a scheduler's preemption, or ``kill`` of the launcher) is passed on to the
+    ranks, which save together at the step boundary and exit 0; SIGINT (Ctrl-C; the terminal
+    sends it to every process of the job) is passed on too, and each rank exits at once with
+    ``EXIT_INTERRUPTED`` (``quit_on_interrupt``). ``received`` tells the caller which came."""
+
+    HANDLED = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.received: set[int] = set()
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> "Signals":
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.HANDLED:
+                self._previous[sig] = signal.signal(sig, self._forward)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.received:  # the launcher ends after its ranks, never leaving one behind
+            for child in multiprocessing.active_children():
+                child.join(timeout=10)
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _forward(self, signum, frame) -> None:
+        self.received.add(signum)
+        for child in multiprocessing.active_children():  # the ranks (spawned by the agent)
+            with contextlib.suppress(ProcessLookupError, TypeError):
+                os.kill(child.pid, signum)
+
+
+def quit_on_interrupt() -> None:
+    """In a rank the CLI launched: Ctrl-C ends it at once, silently, with ``EXIT_INTERRUPTED``
+    (the launcher prints one line; a save in progress never commits, the previous one stays)."""
+    from ..reliability.errors import EXIT_INTERRUPTED
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, lambda *_: os._exit(EXIT_INTERRUPTED))
+
+
+def _launch_options(launch_config, own_signals: bool) -> dict:
+    """Our own SIGTERM/SIGINT handling, where torch's LaunchConfig offers it (torch >= 2.5)."""
+    if own_signals and "signals_to_handle" in launch_config.__dataclass_fields__:
+        return {"signals_to_handle": "SIGHUP,SIGQUIT"}
+    return {}
+
+
+def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, max_restarts: int = 0,
+          signals: Signals | None = None) -> dict[int, Any]:
     """Run ``fn(*args)`` on ``nprocs`` local ranks; returns {rank: return value}.
 
     A failing rank makes the agent stop the others and raise ``ChildFailedError`` carrying
     that rank's traceback (``describe_failure`` makes it one line). The agent's own log lines,
-    which repeat that traceback after the rank has printed it, are silenced."""
+    which repeat that traceback after the rank has printed it, are silenced. With ``signals``,
+    SIGTERM and SIGINT are ours, not the agent's (see ``Signals``)."""
     import logging
+    import shutil
+    import tempfile
 
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     for name in ("torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    import shutil
-    import tempfile
-
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
-
+    handled_env = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE")  # the launcher sets it
     # the agent's per-run folder (error files, logs) is ours to remove: no torchelastic_* left
     # behind in the temp folder by every run (a failure's messages are read before removal)
     logs = tempfile.mkdtemp(prefix="hybridpar-launch-")
@@ -111,21 +167,28 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, max_restarts: int = 0
                           run_id=f"hybridpar-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
                           rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=max_restarts,
                           monitor_interval=0.1, start_method="spawn",
-                          logs_specs=DefaultLogsSpecs(log_dir=logs))
+                          logs_specs=DefaultLogsSpecs(log_dir=logs),
+                          **_launch_options(LaunchConfig, signals is not None))
     try:
-        return elastic_launch(config, fn)(*args)
+        with signals or contextlib.nullcontext():
+            return elastic_launch(config, fn)(*args)
     finally:
         shutil.rmtree(logs, ignore_errors=True)
+        if handled_env is None:
+            os.environ.pop("TORCHELASTIC_SIGNALS_TO_HANDLE", None)
+        else:
+            os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = handled_env
 
 
-def user_error_names() -> tuple[str, ...]:
-    """Names of every ``UserError`` class: a spawned rank's failure reaches the launcher only as
-    a type name, and these are bad inputs (one line, exit code 2)."""
+def error_names(base: str = "UserError") -> tuple[str, ...]:
+    """Names of ``reliability.errors.<base>`` and its subclasses: a spawned rank's failure
+    reaches the launcher only as a type name. ``UserError``: bad inputs (one line, exit code 2);
+    ``HybridparError``: every failure whose message is complete (one line, no traceback)."""
     from ..checkpoint.store import CheckpointError  # noqa: F401  (the modules defining them)
-    from ..reliability.errors import UserError
+    from ..reliability import errors
     from .data import DataError  # noqa: F401
 
-    out, todo = [], [UserError]
+    out, todo = [], [getattr(errors, base)]
     while todo:
         cls = todo.pop()
         out.append(cls.__name__)
@@ -133,7 +196,8 @@ def user_error_names() -> tuple[str, ...]:
     return tuple(out)
 
 
-USER_ERRORS = user_error_names()
+USER_ERRORS = error_names()
+COMPLETE_ERRORS = error_names("HybridparError")
 
 
 def describe_failure(err) -> tuple[str, str]:
@@ -160,7 +224,7 @@ def describe_failure(err) -> tuple[str, str]:
     rank, f = min(err.failures.items(), key=lambda kv: (kind(kv[1]), kv[1].timestamp, kv[0]))
     k, m = kind(f), message(f)
     typ, _, text = m.partition(": ") if k in (0, 3) else ("", "", "")
-    if typ in ("NonFiniteError", *USER_ERRORS):  # complete one-line messages
+    if typ in COMPLETE_ERRORS:  # complete one-line messages
         return text, typ
     if k == 0:
         return f"rank {rank} failed first: {m} (its traceback is above)", typ

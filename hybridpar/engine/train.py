@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from . import data as data_mod
 from .. import checkpoint
-from . import tb, trace
+from . import summary, tb, trace
 from ..parallel.amp import LossScaler
 from ..config import Config, TrainConfig
 from ..reliability.errors import NonFiniteError, faults_for, inject
@@ -299,8 +299,20 @@ def train(cfg: Config, mesh: ParallelMesh, *, dataset=None, callbacks: Callbacks
           spec: ModelSpec | None = None) -> list[dict]:
     """Train ``cfg.train.steps`` steps on this rank; returns the per-step metrics (every rank).
     ``spec`` describes the model (default: the one ``cfg.model`` names)."""
+    lock = checkpoint.lock_folder(cfg)  # one job per checkpoint folder, held until we return
+    try:
+        return _train(cfg, mesh, dataset, callbacks, spec)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(cfg, mesh, dataset, callbacks, spec) -> list[dict]:
     trainer = Trainer(cfg, mesh, dataset, spec=spec)
     t = cfg.train
+    if mesh.rank == 0 and t.summary:
+        for line in summary.startup_lines(trainer):  # stdout, like the end line
+            print(f"hybridpar: {line}", flush=True)
     if trainer.step >= t.steps and mesh.rank == 0:
         print(f"hybridpar: nothing to train: {trainer.resumed_from} is at step {trainer.step} and "
               f"train.steps={t.steps}; raise --steps to continue", file=sys.stderr, flush=True)
@@ -316,7 +328,7 @@ def train(cfg: Config, mesh: ParallelMesh, *, dataset=None, callbacks: Callbacks
     history = []
     last_slow = None
     dog = watchdog.start(cfg, mesh)  # None on one rank or with reliability.deadline_s=0
-    saver = checkpoint.Saver.start(trainer)  # None without checkpoint.dir; catches SIGTERM
+    saver = checkpoint.Saver.start(trainer)  # saves (with checkpoint.dir); catches SIGTERM
     try:
         while trainer.step < t.steps:
             m = trainer.train_step(callbacks)
@@ -347,17 +359,16 @@ def train(cfg: Config, mesh: ParallelMesh, *, dataset=None, callbacks: Callbacks
                 if "val_loss" in m:
                     post["val"] = f"{m['val_loss']:.4f}"
                 bar.set_postfix(post)
-            if saver is not None and saver.after_step(last=last):
-                if is_rank0:
-                    log.warning(f"SIGTERM: saved {saver.last_saved} at step {trainer.step}; stopping")
+            if saver.after_step(last=last):
+                # the end line (``hybridpar train``) says what was saved; the caller sees why
+                m["stopped_by"] = "SIGTERM"
                 break
     except BaseException as e:
         if dog is not None:
             dog.on_exception(e)  # the first failing rank speaks first; the others stop
         raise
     finally:
-        if saver is not None:
-            saver.close()
+        saver.close()
         if dog is not None:
             dog.stop()
         activity.idle()
@@ -369,4 +380,6 @@ def train(cfg: Config, mesh: ParallelMesh, *, dataset=None, callbacks: Callbacks
             board.close()
     if tracer is not None:
         trace.finish(tracer, cfg, log=log)
+    if history and saver.last_saved:  # for the end line; not in the metrics file
+        history[-1]["checkpoint"] = str(saver.last_saved)
     return history

@@ -24,6 +24,8 @@ EXIT_FAILED = 1      # a rank raised, or a run failure (NonFiniteError, JobFaile
 EXIT_USER = 2        # bad config / input, reported before any rank starts
 EXIT_WATCHDOG = 3    # this rank's operation exceeded the watchdog deadline
 EXIT_ABORTED = 4     # this rank stopped because another rank failed or timed out
+EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT), as shells report it
+EXIT_TERMINATED = 143   # SIGTERM with no checkpoint.dir to save to (128 + SIGTERM)
 
 
 class HybridparError(RuntimeError):
@@ -46,6 +48,14 @@ class NonFiniteError(HybridparError):
     """Loss or gradient norm is NaN/Inf and ``reliability.nan_policy`` says stop."""
 
     collective = True
+
+
+class Stopped(HybridparError):
+    """The run was stopped by a signal (Ctrl-C, or SIGTERM before anything could be saved)."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 class JobFailed(HybridparError):

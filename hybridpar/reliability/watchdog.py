@@ -19,9 +19,12 @@ GPUs a hang shows up in the first operation that waits for the device.
 """
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import os
+import signal
+import socket
 import statistics
 import sys
 import tempfile
@@ -130,6 +133,15 @@ def diagnose(beats: dict[int, dict | None], *, layout, now: float, deadline_s: f
         else:
             waiting.setdefault(f"{where} ({'waiting' if b['comm'] else 'running'} "
                                f"{age:.1f} s)", []).append(r)
+    # a heartbeat is published at most every ~0.1 s: with shorter steps, a frozen rank's true
+    # position is where its healthy peers wait for it (a collective needs every rank)
+    peer_steps = [b["step"] for r, b in beats.items() if b and b.get("comm")
+                  and r not in {s for s, _ in suspects}]
+    if peer_steps:
+        at = max(peer_steps)
+        suspects = [(r, why + (f"; its peers wait for it at step {at}"
+                               if why.startswith("heartbeat stopped") and beats[r]["step"] < at else ""))
+                    for r, why in suspects]
     return Verdict(suspects, sorted(waiting.items(), key=lambda kv: kv[1][0]))
 
 
@@ -192,6 +204,7 @@ def _store_client(timeout_s: float):
     return store
 
 
+_HOST = socket.gethostname()
 _generation = [0]  # train() calls in this process: keys of one run never meet the next's
 
 
@@ -227,7 +240,7 @@ class Watchdog:
     def _beat(self, state: str) -> dict:
         a, op = self.act, self.act.op
         now, mono = time.time(), time.monotonic()
-        return {"rank": self.rank, "step": a.step, "op": describe(op),
+        return {"rank": self.rank, "host": _HOST, "pid": os.getpid(), "step": a.step, "op": describe(op),
                 "comm": bool(op and op[2]), "since": now - (mono - op[3]) if op else None,
                 "t": now, "state": state}
 
@@ -238,8 +251,20 @@ class Watchdog:
             pass  # the store is gone (job ending); the monitor still guards the deadline
 
     def _beat_loop(self) -> None:
-        while not self._stop.wait(self.period_s):
+        """Publish every period, and at once (within ``tick``) when a new step begins, so that
+        a rank frozen mid-run (SIGSTOP, a debugger) is reported at its true last step even
+        when steps are shorter than the period."""
+        tick = min(0.1, self.period_s)
+        last_t, last_step = time.monotonic(), self.act.step
+        while not self._stop.wait(tick):
+            now = time.monotonic()
+            if self.act.step == last_step and now - last_t < self.period_s:
+                continue
+            beat_due = now - last_t >= self.period_s
+            last_t, last_step = now, self.act.step
             self._publish("running")
+            if not beat_due:
+                continue
             try:
                 aborted = self.store.add(self._key("abort"), 0) > 0
             except Exception:
@@ -287,17 +312,31 @@ class Watchdog:
         hard.daemon = True
         hard.start()
         first = self._first_failure()
+        frozen_here: dict[int, int] = {}
         if first:  # the others wait too: their report would repeat this one
-            verdict = diagnose(self.read_beats(), layout=self.layout, now=time.time(),
+            beats = self.read_beats()
+            verdict = diagnose(beats, layout=self.layout, now=time.time(),
                                deadline_s=self.deadline_s, stale_s=self.stale_s)
+            frozen = [r for r, why in verdict.suspects if why.startswith(("heartbeat stopped", "no heartbeat"))]
+            frozen_here = _on_this_host(frozen, beats)
             report = format_report(verdict, layout=self.layout, me=self.rank, my_op=describe(op),
                                    step=self.act.step, deadline_s=self.deadline_s,
                                    dump_dir=self.dump_dir)
+            if frozen_here:
+                report += (f"\n  {_ranks(list(frozen_here))} on this host will be ended with SIGKILL: a "
+                           f"frozen process reacts to no other signal")
             self._write("report.txt", report + "\n")
             print(report, file=sys.stderr, flush=True)
+            try:  # a frozen or dead rank writes no stack dump: nobody waits for it
+                self.store.set(self._key("expect_dumps"), str(self.layout.world_size - len(frozen)))
+            except Exception:
+                pass
         self._signal_abort()
         self._dump_stacks()
         self._wait_for_dumps(until=time.monotonic() + grace - 1.0)
+        for pid in frozen_here.values():  # last, so the launcher sees our exit code with theirs
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
         os._exit(EXIT_WATCHDOG)
 
     # ---- failures of the main thread
@@ -384,13 +423,27 @@ class Watchdog:
         without an elastic agent it hosts the store, and the others' last reads need it."""
         while time.monotonic() < until:
             try:
-                if self.store.add(self._key("dumped"), 0) >= self.layout.world_size:
+                key = self._key("expect_dumps")
+                expect = int(self.store.get(key)) if self.store.check([key]) else self.layout.world_size
+                if self.store.add(self._key("dumped"), 0) >= expect:
                     break
             except Exception:
                 return
             time.sleep(0.1)
         if self.rank == 0:
             time.sleep(min(0.5, max(0.0, until - time.monotonic())))
+
+
+def _on_this_host(ranks: list[int], beats: dict) -> dict[int, int]:
+    """{rank: pid} of those ``ranks`` whose last heartbeat came from this host: a process whose
+    heartbeat stopped while it lives on (SIGSTOPped, in a debugger, stuck holding the GIL) reacts
+    to no signal but SIGKILL, so a launcher would wait its whole shutdown timeout (torch's: 30 s)."""
+    out = {}
+    for r in ranks:
+        b = beats.get(r) or {}
+        if b.get("host") == _HOST and b.get("pid") and b["pid"] != os.getpid():
+            out[r] = b["pid"]
+    return out
 
 
 def _tag(e: BaseException, how: str) -> None:
