@@ -86,3 +86,38 @@ def test_default_order_puts_tp_on_neighbouring_ranks():
     assert lay.group_ranks("tp")[0] == [0, 1, 2, 3]
     assert lay.group_ranks("dp")[0] == [0, 4]
     assert lay.group_ranks("pp")[0] == [0, 8]
+
+
+def test_more_local_ranks_than_gpus_is_refused_or_falls_back_to_cpu(monkeypatch, capsys):
+    """NCCL cannot put two ranks on one GPU ("Duplicate GPU detected"): device=cuda refuses before
+    any process starts; device=auto trains on the CPU and says so. (CUDA faked: one GPU.)"""
+    from dataclasses import replace
+
+    import torch
+
+    from hybridpar.config import ConfigError
+    from hybridpar.engine.launch import check_device, pick_device
+    from hybridpar.testing import tiny_config
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    cfg = tiny_config(dp=2)
+    cuda = replace(cfg, train=replace(cfg.train, device="cuda"))
+    with pytest.raises(ConfigError, match=r"^2 ranks on this machine need 2 GPUs \(one each\), but 1 is "
+                                          r"visible; use at most 1 ranks per machine"):
+        check_device(cuda)
+    assert pick_device(cfg, 0) == torch.device("cpu")  # auto
+    assert "2 ranks on this machine but 1 GPU(s): training on the CPU" in capsys.readouterr().err
+
+
+def test_process_group_timeout_exceeds_the_watchdog_deadline():
+    from dataclasses import replace
+
+    from hybridpar.engine.launch import group_timeout_s
+    from hybridpar.testing import tiny_config
+
+    cfg = tiny_config()
+    for deadline in (10.0, 300.0, 1800.0):
+        c = replace(cfg, reliability=replace(cfg.reliability, deadline_s=deadline))
+        assert group_timeout_s(c) >= 2 * deadline + 60

@@ -10,6 +10,7 @@ import multiprocessing
 import os
 import signal
 import socket
+import sys
 import threading
 import uuid
 from datetime import timedelta
@@ -29,19 +30,49 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def local_ranks(cfg: Config) -> int:
+    """Ranks on this machine: the launcher's count, or all of them when we spawn."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", cfg.parallel.world_size))
+
+
 def check_device(cfg: Config) -> None:
-    if cfg.train.device == "cuda" and not torch.cuda.is_available():
-        from ..config import ConfigError
+    """``train.device=cuda`` needs a GPU per local rank (NCCL refuses two ranks on one GPU:
+    "Duplicate GPU detected"), said before any process starts."""
+    from ..config import ConfigError
+
+    if cfg.train.device != "cuda":
+        return
+    if not torch.cuda.is_available():
         raise ConfigError("train.device=cuda but no CUDA device is available; use --train.device=cpu")
+    n, have = local_ranks(cfg), torch.cuda.device_count()
+    if n > have:
+        raise ConfigError(f"{n} ranks on this machine need {n} GPUs (one each), but {have} "
+                          f"{'is' if have == 1 else 'are'} visible; use at most {have} ranks per machine "
+                          f"(dp x tp x pp), or --train.device=cpu")
 
 
 def pick_device(cfg: Config, local_rank: int) -> torch.device:
+    """The device of this rank: GPU ``local_rank`` when there is one per local rank; with
+    ``device=auto`` and fewer GPUs than local ranks, the CPU (said once, by local rank 0)."""
     want = cfg.train.device
     check_device(cfg)
+    if want == "auto" and torch.cuda.is_available() and local_ranks(cfg) > torch.cuda.device_count():
+        if local_rank == 0:
+            print(f"hybridpar: {local_ranks(cfg)} ranks on this machine but "
+                  f"{torch.cuda.device_count()} GPU(s): training on the CPU (--train.device=cuda "
+                  f"refuses this instead)", file=sys.stderr, flush=True)
+        return torch.device("cpu")
     if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
-        return torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
     return torch.device("cpu")
+
+
+def group_timeout_s(cfg: Config, floor_s: float = 600.0) -> float:
+    """The process group's own timeout: above the watchdog's deadline (with room for its report
+    and stack dumps), so that NCCL's abort never pre-empts the report that names the rank."""
+    deadline = cfg.reliability.deadline_s
+    return max(floor_s, 2 * deadline + 60) if deadline > 0 else floor_s
 
 
 def set_threads(cfg: Config) -> None:
@@ -52,7 +83,7 @@ def set_threads(cfg: Config) -> None:
     torch.set_num_threads(n)
 
 
-def setup(cfg: Config, *, spec=None, timeout_s: float = 600.0) -> ParallelMesh:
+def setup(cfg: Config, *, spec=None) -> ParallelMesh:
     """Validate on every rank, then create the process group and the mesh (with the group that
     sums tied parameters across the first and last stage when the model ``spec`` ties any)."""
     world = int(os.environ.get("WORLD_SIZE", "1")) if under_launcher() else 1
@@ -64,11 +95,13 @@ def setup(cfg: Config, *, spec=None, timeout_s: float = 600.0) -> ParallelMesh:
     if world == 1:
         return single_mesh(device)
     if not dist.is_initialized():
-        backend, timeout = ("nccl" if device.type == "cuda" else "gloo"), timedelta(seconds=timeout_s)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        opts = {"timeout": timedelta(seconds=group_timeout_s(cfg))}
+        if device.type == "cuda":
+            opts["device_id"] = device  # NCCL binds its communicators to this GPU eagerly
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-            dist.init_process_group(backend, timeout=timeout, **_attempt_store())
-        else:
-            dist.init_process_group(backend, timeout=timeout)
+            opts.update(_attempt_store())
+        dist.init_process_group(backend, **opts)
     from ..models import spec_for
     tied = bool((spec or spec_for(cfg.model)).tied)
     return build_mesh(layout, device, embed_group=tied)

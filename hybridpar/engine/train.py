@@ -199,8 +199,7 @@ class Trainer:
         clip = cfg.train.grad_clip
         if clip > 0 and grad_norm > clip:
             coef = clip / (grad_norm + 1e-6)
-            for _, p in pm.named_parameters():
-                p.grad.mul_(coef)
+            torch._foreach_mul_([p.grad for _, p in pm.named_parameters()], coef)
         lr = lr_at(self.step, cfg.train)
         for g in self.opt.param_groups:
             g["lr"] = lr

@@ -195,19 +195,24 @@ class _GatherSeq(torch.autograd.Function):
         return out.movedim(0, ctx.dim), None, None
 
 
+def _prepare(q, k, v, q_pos, group, scale):
+    """(cp, this rank's query positions, softmax scale), after checking the shapes."""
+    _check_shapes(q, k, v)
+    cp = _group_size(group)
+    if cp > 1 and k.size(1) != q.size(1):
+        raise ValueError("context parallelism shards q, k and v of the same tokens: T must agree")
+    q_pos = _positions(q, q_pos, group, cp)
+    return cp, q_pos, 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
+
+
 def allgather_attention(q, k, v, q_pos, group, causal: bool = True, scale: float | None = None):
     """Context-parallel attention by all-gathering K and V over ``group`` (along time, in group-
     rank order, positions gathered alongside) and attending the local queries to all of them;
     autograd gives dQ locally and dK, dV through the gather's backward, a reduce-scatter
     (sum over ranks). Exact; holds the full K, V."""
-    _check_shapes(q, k, v)
-    cp = _group_size(group)
-    q_pos = _positions(q, q_pos, group, cp)
-    scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
+    cp, q_pos, scale = _prepare(q, k, v, q_pos, group, scale)
     if cp == 1:
         return attention_block(q, k, v, q_pos, q_pos, causal, scale)[0]
-    if k.size(1) != q.size(1):
-        raise ValueError("context parallelism shards q, k and v of the same tokens: T must agree")
     k_pos = _gather_positions(q_pos, group, cp).reshape(-1) if causal else None
     kv = _GatherSeq.apply(torch.stack([k, v]), 2, group)  # one collective for K and V
     out, _ = _attend(q, kv[0], kv[1], q_pos, k_pos, causal, scale)
@@ -330,14 +335,9 @@ class _RingAttention(torch.autograd.Function):
 def ring_attention(q, k, v, q_pos, group, causal: bool = True, scale: float | None = None):
     """Context-parallel attention on a ring: never holds more than two K/V blocks; exact
     forward and backward (see ``_RingAttention``). ``q_pos`` None means zigzag sharding."""
-    _check_shapes(q, k, v)
-    cp = _group_size(group)
-    q_pos = _positions(q, q_pos, group, cp)
-    scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
+    cp, q_pos, scale = _prepare(q, k, v, q_pos, group, scale)
     if cp == 1:
         return attention_block(q, k, v, q_pos, q_pos, causal, scale)[0]
-    if k.size(1) != q.size(1):
-        raise ValueError("context parallelism shards q, k and v of the same tokens: T must agree")
     return _RingAttention.apply(q, k, v, q_pos, group, causal, scale)
 
 

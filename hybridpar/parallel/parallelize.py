@@ -104,12 +104,13 @@ class ParallelModel:
         count it (the world all-reduce of the shares is divided by that)."""
         counted = {id(p) for p in self.counted_parameters()}
         if self.grad_sync.zero1:
-            total = sum(torch.linalg.vector_norm(g, dtype=torch.float64).item() ** 2
-                        for p, _, g in self.grad_sync.segments() if id(p) in counted)
-            return total, 1
-        total = sum(torch.linalg.vector_norm(p.grad, dtype=torch.float64).item() ** 2
-                    for _, p in self.named_parameters() if id(p) in counted)
-        return total, self.mesh.layout.dp
+            grads = [g for p, _, g in self.grad_sync.segments() if id(p) in counted]
+        else:
+            grads = [p.grad for _, p in self.named_parameters() if id(p) in counted]
+        # one multi-tensor kernel and one host sync for all the norms (not one per parameter);
+        # the squares are summed in the same order as ever, in float64
+        total = sum(n * n for n in _norms64(grads))
+        return total, 1 if self.grad_sync.zero1 else self.mesh.layout.dp
 
     def finish_grads(self) -> None:
         """After the schedule: dp all-reduce, then sum the tied embedding's two pipeline copies."""
@@ -127,6 +128,17 @@ class ParallelModel:
         """This stage's tied parameters whose other copy lives on another pipeline stage (their
         gradients are summed over ``embed_group``), in the spec's order on both stages."""
         return _shared_across_stages(self.module, self.spec, self.mesh)
+
+
+def _norms64(tensors: list[torch.Tensor]) -> list[float]:
+    """The float64 2-norm of each tensor, fetched to the host together."""
+    if not tensors:
+        return []
+    try:
+        norms = torch._foreach_norm(tensors, 2, dtype=torch.float64)
+    except TypeError:  # torch without the dtype argument
+        norms = [torch.linalg.vector_norm(t, dtype=torch.float64) for t in tensors]
+    return torch.stack(norms).tolist()
 
 
 def _shared_across_stages(model: nn.Module, spec: ModelSpec, mesh: ParallelMesh) -> list[nn.Parameter]:
@@ -307,9 +319,13 @@ def build_optimizer(pm: ParallelModel, cfg: Config) -> torch.optim.Optimizer:
         for _, p in pm.named_parameters():
             (decay if p.dim() >= 2 else no_decay).append(p)
     t = cfg.train
+    # one implementation choice per device, the same math: CUDA's fused kernel (one launch for
+    # every tensor), elsewhere the multi-tensor path (no Python loop over the parameters)
+    fused = pm.mesh.device.type == "cuda"
     return torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
                               {"params": no_decay, "weight_decay": 0.0}],
-                             lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
+                             lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
+                             fused=fused or None, foreach=None if fused else True)
 
 
 def local_state(pm: ParallelModel, *, grads: bool = False) -> dict[str, tuple[ShardSpec, torch.Tensor]]:
