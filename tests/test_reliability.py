@@ -251,8 +251,9 @@ def test_raising_rank_ends_the_job_with_its_traceback_first():
     assert lines[1] == "Traceback (most recent call last):"
     assert r.stderr.count("Traceback") == 1, r.stderr  # the others say one line each
     raised = float(re.search(r"t=([\d.]+)", r.stderr).group(1))
-    # the agent polls every 0.1 s and stops the others; 10 s leaves room for a loaded machine
-    assert t_end - raised < 10, f"job ended {t_end - raised:.1f} s after the raise"
+    # the agent polls every 0.1 s and stops the others (~2 s on a quiet machine; 12 s seen at a
+    # load of 4.5 on 2 cores); a job that waited for the watchdog instead would take its 300 s
+    assert t_end - raised < 60, f"job ended {t_end - raised:.1f} s after the raise"
     assert lines[-1].startswith("hybridpar: error: rank 3 failed first: RuntimeError: injected"), lines[-1]
     print(f"job ended {t_end - raised:.1f} s after the raise")
 
