@@ -187,7 +187,10 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, max_restarts: int = 0
     import tempfile
 
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from ..reliability.watchdog import LAUNCH_DIR_ENV, WATCHDOG_MARK
 
     for name in ("torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
@@ -202,10 +205,16 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, max_restarts: int = 0
                           monitor_interval=0.1, start_method="spawn",
                           logs_specs=DefaultLogsSpecs(log_dir=logs),
                           **_launch_options(LaunchConfig, signals is not None))
+    os.environ[LAUNCH_DIR_ENV] = logs  # inherited by the ranks: the watchdog marks its firing here
     try:
         with signals or contextlib.nullcontext():
             return elastic_launch(config, fn)(*args)
+    except ChildFailedError as e:
+        # the reporter SIGKILLs a frozen rank as it exits: the agent may see that death first
+        e.watchdog_fired = os.path.exists(os.path.join(logs, WATCHDOG_MARK))
+        raise
     finally:
+        os.environ.pop(LAUNCH_DIR_ENV, None)
         shutil.rmtree(logs, ignore_errors=True)
         if handled_env is None:
             os.environ.pop("TORCHELASTIC_SIGNALS_TO_HANDLE", None)
@@ -254,6 +263,9 @@ def describe_failure(err) -> tuple[str, str]:
             return 1
         return 4 if f.exitcode == EXIT_ABORTED or f.exitcode < 0 else 2
 
+    if getattr(err, "watchdog_fired", False):
+        return ("the watchdog stopped the job; its report above names the rank(s) that stopped "
+                "participating"), ""
     rank, f = min(err.failures.items(), key=lambda kv: (kind(kv[1]), kv[1].timestamp, kv[0]))
     k, m = kind(f), message(f)
     typ, _, text = m.partition(": ") if k in (0, 3) else ("", "", "")

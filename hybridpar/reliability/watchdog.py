@@ -205,6 +205,8 @@ def _store_client(timeout_s: float):
 
 
 _HOST = socket.gethostname()
+LAUNCH_DIR_ENV = "HYBRIDPAR_LAUNCH_DIR"  # set by our launcher (engine.launch.spawn)
+WATCHDOG_MARK = "watchdog-fired"
 _generation = [0]  # train() calls in this process: keys of one run never meet the next's
 
 
@@ -327,6 +329,10 @@ class Watchdog:
                            f"frozen process reacts to no other signal")
             self._write("report.txt", report + "\n")
             print(report, file=sys.stderr, flush=True)
+            launch_dir = os.environ.get(LAUNCH_DIR_ENV)
+            if launch_dir:  # the launcher names the watchdog, whichever rank it sees end first
+                with contextlib.suppress(OSError):
+                    open(os.path.join(launch_dir, WATCHDOG_MARK), "w").close()
             try:  # a frozen or dead rank writes no stack dump: nobody waits for it
                 self.store.set(self._key("expect_dumps"), str(self.layout.world_size - len(frozen)))
             except Exception:
