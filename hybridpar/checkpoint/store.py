@@ -151,9 +151,9 @@ def no_space(e: BaseException) -> bool:
         if isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
         todo += [x.__cause__, x.__context__]
-        failures = getattr(x, "failures", None)  # DCP's CheckpointException: {rank: exception}
+        failures = getattr(x, "failures", None)  # DCP's CheckpointException: {rank: (exc, trace)}
         if isinstance(failures, dict):
-            todo += [f for f in failures.values() if isinstance(f, BaseException)]
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
     return "No space left on device" in str(e) or "Disk quota exceeded" in str(e)
 
 
