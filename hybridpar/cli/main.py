@@ -322,10 +322,29 @@ def end_line(last: dict | None) -> int:
     return 0
 
 
+def _first_to_say() -> bool:
+    """Whether this process is the first of its node's workers to report a user error. Every
+    worker finds the same bad input; the first to exit prints, since the launcher stops the
+    others as soon as one exits (a fixed "local rank 0 prints" loses the line whenever another
+    rank gets there first). The workers of one torchrun attempt share the folder of their error
+    files, so an exclusively created file there elects the speaker."""
+    err_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not err_file:
+        return os.environ.get("LOCAL_RANK", "0") == "0"
+    try:
+        os.close(os.open(os.path.join(os.path.dirname(os.path.dirname(err_file)), "hybridpar-said"),
+                         os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False
+    except OSError:
+        return os.environ.get("LOCAL_RANK", "0") == "0"
+
+
 def _report(e: Exception) -> int | None:
     """Print a failure as one line and return the exit code; None: let it show its traceback."""
     if isinstance(e, UserError) and not e.collective:
-        if os.environ.get("LOCAL_RANK", "0") == "0":  # under torchrun: once per node, not per rank
+        if _first_to_say():  # under torchrun: once per node, not once per rank
             print(f"hybridpar: error: {e}", file=sys.stderr)
         return EXIT_USER
     if isinstance(e, HybridparError):
