@@ -106,6 +106,10 @@ class ParallelConfig:
     dp: int = _f(2, "data-parallel degree (model replicas)")
     tp: int = _f(1, "tensor-parallel degree (Megatron column/row split)")
     pp: int = _f(1, "pipeline-parallel degree (stages)")
+    cp: int = _f(1, "context-parallel degree: each sequence split over cp ranks (long sequences)")
+    cp_attention: str = _f("ring", "attention across the cp group: K/V passed around a ring (never "
+                                   "holds the full K/V) or all-gathered once",
+                           choices=("ring", "allgather"))
     microbatches: int = _f(1, "micro-batches per optimizer step on each dp replica")
     schedule: str = _f("1f1b", "pipeline schedule", choices=("gpipe", "1f1b", "interleaved"))
     virtual_stages: int = _f(1, "model chunks per pipeline rank (interleaved 1F1B; >1 needs schedule=interleaved)")
@@ -121,7 +125,7 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
 
 
 @dataclass(frozen=True)
@@ -359,7 +363,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                           f"train.eval_every={t.eval_every} (0 disables evaluation)")
     positive = [("model", m, "n_layers"), ("model", m, "d_model"), ("model", m, "n_heads"),
                 ("model", m, "n_kv_heads"), ("model", m, "d_ff"), ("model", m, "vocab_size"),
-                ("model", m, "seq_len"), ("parallel", p, "dp"), ("parallel", p, "tp"),
+                ("model", m, "seq_len"), ("parallel", p, "dp"), ("parallel", p, "cp"), ("parallel", p, "tp"),
                 ("parallel", p, "pp"), ("parallel", p, "microbatches"), ("train", t, "steps"),
                 ("train", t, "global_batch"), ("model", m, "image_size"), ("model", m, "channels"),
                 ("model", m, "n_classes"), ("data", cfg.data, "n_images")]
@@ -459,9 +463,12 @@ def _validate_rest(cfg: Config, world_size: int | None) -> None:
     if p.sequence_parallel and m.name == "llama" and not m.spec and m.seq_len % p.tp:
         raise ConfigError(f"parallel.sequence_parallel needs tp={p.tp} to divide model.seq_len={m.seq_len}")
     axes = p.order.split("-")
-    if sorted(axes) != ["dp", "pp", "tp"]:
-        raise ConfigError(f"parallel.order={p.order!r} must name dp, tp and pp once each, "
-                          f"innermost first, e.g. 'tp-dp-pp'")
+    if sorted(axes) not in (["dp", "pp", "tp"], ["cp", "dp", "pp", "tp"]):
+        raise ConfigError(f"parallel.order={p.order!r} must name dp, tp and pp once each (and cp, "
+                          f"or cp goes right after tp), innermost first, e.g. 'tp-dp-pp' or "
+                          f"'tp-cp-dp-pp'")
+    if p.cp > 1:
+        _validate_cp(m, p)
     per_step = p.dp * p.microbatches
     if t.global_batch % per_step:
         raise ConfigError(
@@ -491,10 +498,29 @@ def _validate_rest(cfg: Config, world_size: int | None) -> None:
         if value and importlib.util.find_spec(package) is None:
             raise ConfigError(f"train.{name}={value!r} {use}: pip install 'hybridpar[{extra}]'")
     if world_size is not None and world_size != p.world_size:
+        names, sizes = ("dp*cp*tp*pp", f"{p.dp}*{p.cp}*{p.tp}*{p.pp}") if p.cp > 1 else \
+            ("dp*tp*pp", f"{p.dp}*{p.tp}*{p.pp}")
         raise ConfigError(
-            f"the launcher started {world_size} processes but dp*tp*pp = {p.dp}*{p.tp}*{p.pp} = "
+            f"the launcher started {world_size} processes but {names} = {sizes} = "
             f"{p.world_size}; start {p.world_size} processes (torchrun --nproc-per-node) or change "
-            f"--dp/--tp/--pp so their product is {world_size}")
+            f"--{names.replace('*', '/--')} so their product is {world_size}")
+
+
+def _validate_cp(m: ModelConfig, p: ParallelConfig) -> None:
+    """Context parallelism splits each sequence into 2*cp chunks (zigzag: rank r holds chunks r
+    and 2cp-1-r, equal causal work), and sequence parallelism splits a rank's share over tp."""
+    if m.spec:
+        return  # a user's model: its spec says whether it supports cp (checked when loaded)
+    if m.name != "llama":
+        raise ConfigError(f"parallel.cp={p.cp}: context parallelism splits token sequences for "
+                          f"models built on the library's causal attention (llama); "
+                          f"model.name={m.name} has no context-parallel support, use cp=1")
+    if m.seq_len % (2 * p.cp):
+        raise ConfigError(f"parallel.cp={p.cp} cuts each sequence into 2*cp = {2 * p.cp} equal "
+                          f"chunks: model.seq_len={m.seq_len} must be a multiple of {2 * p.cp}")
+    if p.sequence_parallel and p.tp > 1 and (m.seq_len // p.cp) % p.tp:
+        raise ConfigError(f"parallel.sequence_parallel splits each cp rank's {m.seq_len // p.cp} "
+                          f"tokens over tp={p.tp}, which must divide them")
 
 
 def _sec(obj: Any) -> str:

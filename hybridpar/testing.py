@@ -20,13 +20,14 @@ from .engine.train import Callbacks, train
 
 
 def tiny_config(*, dp=1, tp=1, pp=1, schedule="1f1b", microbatches=4, steps=5, order="tp-dp-pp",
-                **model) -> Config:
+                cp=1, **model) -> Config:
     """8 small layers so every factorisation of 8 ranks fits; GQA (8 query, 4 kv heads)."""
     m = dict(n_layers=8, d_model=32, n_heads=8, n_kv_heads=4, d_ff=64, vocab_size=256, seq_len=16)
     m.update(model)
     return Config(
         model=ModelConfig(**m),
-        parallel=ParallelConfig(dp=dp, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule, order=order,
+        parallel=ParallelConfig(dp=dp, cp=cp, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule,
+                                order=order,
                                 bucket_mb=0.01),  # tiny buckets: several per rank, overlap exercised
         # evaluation on, as users run it: mid-run (step 3) and at the last step
         train=TrainConfig(steps=steps, global_batch=32, lr=1e-2, warmup_steps=2, eval_every=3,
@@ -141,6 +142,20 @@ def injected(bug: str | None):
             if self.active:
                 for b in self.buckets:
                     b.grad.mul_(dist.get_world_size(self.group))
+    elif bug == "cp_local_positions":  # cp: rotary by local token index, not global position
+        from .models import llama, transformer
+        target, name = llama, "shard_sequence"
+
+        def new(model, shard):
+            for m in model.modules():
+                if isinstance(m, transformer.Attention):
+                    m.core = transformer._causal(shard)
+    elif bug == "cp_grads_over_dp_only":  # cp: gradients not averaged over the cp ranks
+        from .parallel.mesh import ParallelMesh
+        target, name = ParallelMesh, "group"
+
+        def new(self, axis):
+            return self.groups.get("dp" if axis == "dcp" else axis)
     elif bug == "skip_microbatch":  # the last micro-batch never runs (on every stage)
         target, name = PipelineRunner, "run"
         orig_run = PipelineRunner.run
@@ -162,7 +177,7 @@ def run_case(cfg: Config, *, dataset: Dataset, bug: str | None = None) -> dict:
     """Train ``cfg`` on this rank (inside an initialised world, or alone); return this rank's
     losses, its gradients after step 1 and its parameters after training, as local shards."""
     p = cfg.parallel
-    layout = Layout(p.dp, p.tp, p.pp, tuple(p.order.split("-")))
+    layout = Layout.of(p)
     device = torch.device("cpu")
     mesh = (build_mesh(layout, device, embed_group=bool(spec_for(cfg.model).tied))
             if layout.world_size > 1 else single_mesh(device))
@@ -237,9 +252,9 @@ def load_case(out_dir: str, name: str) -> dict:
 
 
 def reference(cfg: Config, dataset: Dataset | None = None) -> dict:
-    """The single-process run of ``cfg`` with dp=tp=pp=1 (same micro-batches, same everything)."""
+    """The single-process run of ``cfg`` with dp=cp=tp=pp=1 (same micro-batches, same everything)."""
     sched = "1f1b" if cfg.parallel.schedule == "interleaved" else cfg.parallel.schedule
-    one = replace(cfg, parallel=replace(cfg.parallel, dp=1, tp=1, pp=1, virtual_stages=1,
+    one = replace(cfg, parallel=replace(cfg.parallel, dp=1, cp=1, tp=1, pp=1, virtual_stages=1,
                                         schedule=sched))
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.train.threads_per_rank or threads)  # the ranks' kernels, bitwise

@@ -35,12 +35,14 @@ from hybridpar.testing import rel_err, tiny_config, tiny_dataset
 
 STEPS, SAVE_AT = 10, 5
 FIRST_RTOL, LATER_RTOL = 1e-5, 1e-4
-LOADS = {"2x2x2": (2, 2, 2, False), "1x4x2": (1, 4, 2, False), "4x1x2-zero1": (4, 1, 2, True),
-         "8x1x1": (8, 1, 1, False)}
+# (dp, tp, pp, zero1, cp): cp ranks hold the same parameters, so a cp layout saves and loads
+# exactly what its cp=1 counterpart does
+LOADS = {"2x2x2": (2, 2, 2, False, 1), "1x4x2": (1, 4, 2, False, 1), "4x1x2-zero1": (4, 1, 2, True, 1),
+         "8x1x1": (8, 1, 1, False, 1), "cp2-1x2x2-zero1": (1, 2, 2, True, 2)}
 
 
-def _cfg(dp, tp, pp, *, zero1=False, steps=STEPS, **ck):
-    cfg = tiny_config(dp=dp, tp=tp, pp=pp, steps=steps, tie_embeddings=True)
+def _cfg(dp, tp, pp, *, zero1=False, steps=STEPS, cp=1, **ck):
+    cfg = tiny_config(dp=dp, cp=cp, tp=tp, pp=pp, steps=steps, tie_embeddings=True)
     return replace(cfg, parallel=replace(cfg.parallel, zero1=zero1),
                    checkpoint=replace(cfg.checkpoint, **ck))
 
@@ -56,7 +58,7 @@ def _snapshot(trainer) -> dict:
 
 def _mesh(cfg):
     p = cfg.parallel
-    return build_mesh(Layout(p.dp, p.tp, p.pp), torch.device("cpu"), embed_group=True)
+    return build_mesh(Layout.of(p), torch.device("cpu"), embed_group=True)
 
 
 def _layouts_worker(root: str, out: str) -> None:
@@ -91,14 +93,14 @@ def _layouts_worker(root: str, out: str) -> None:
         hist = train(cfg, _mesh(cfg), dataset=ds, callbacks=Callbacks(after_backward=grab))
         results["2x2x2"] = {"losses": [m["loss"] for m in hist], "params": loaded["params"],
                             "final": local_state(loaded["pm"])}
-        for name, (dp, tp, pp, zero1) in LOADS.items():
+        for name, (dp, tp, pp, zero1, cp) in LOADS.items():
             if name == "2x2x2":
                 continue
-            cfg = _cfg(dp, tp, pp, zero1=zero1, load=f"{root}/step_{SAVE_AT:06d}")
+            cfg = _cfg(dp, tp, pp, zero1=zero1, cp=cp, load=f"{root}/step_{SAVE_AT:06d}")
             t = Trainer(cfg, _mesh(cfg), ds)
             results[name] = _snapshot(t)
             if zero1:  # save again from the ZeRO-1 layout: must equal what was loaded
-                checkpoint.save(t, f"{root}-again", keep=0)
+                checkpoint.save(t, f"{root}-again-{name}", keep=0)
             results[name]["losses"] = [t.train_step()["loss"] for _ in range(STEPS - SAVE_AT)]
         torch.save(results, f"{out}/{rank}.pt")
     finally:
@@ -183,10 +185,11 @@ def _assert_continues(got, ref, case):
     assert errs[0] <= FIRST_RTOL and max(errs) <= LATER_RTOL, (case, errs)
 
 
-def test_zero1_saves_what_it_loaded(layouts):
+@pytest.mark.parametrize("case", [n for n, c in LOADS.items() if c[3]])
+def test_zero1_saves_what_it_loaded(layouts, case):
     root, _ = layouts
     _, step_a, a = _saved(root)
-    _, step_b, b = _saved(Path(f"{root}-again"))
+    _, step_b, b = _saved(Path(f"{root}-again-{case}"))
     assert step_a == step_b
     for what in a:
         _assert_bitwise(b[what], a[what], f"ZeRO-1 re-save {what}")

@@ -29,7 +29,9 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 
 def _submesh(pm: ParallelModel):
     dm = pm.mesh.device_mesh
-    return None if dm is None else dm["dp", "tp"]
+    if dm is None:
+        return None
+    return dm["dp", "cp", "tp"] if "cp" in dm.mesh_dim_names else dm["dp", "tp"]
 
 
 def _wrap(t: torch.Tensor, spec, sub) -> torch.Tensor:
@@ -41,7 +43,8 @@ def _wrap(t: torch.Tensor, spec, sub) -> torch.Tensor:
         from torch.distributed._tensor import DTensor, Replicate, Shard
 
     inner = Replicate() if spec.dim is None else Shard(spec.dim)
-    return DTensor.from_local(t, sub, [Replicate(), inner], run_check=False)
+    # replicated over dp (and cp: its ranks hold the same parameters), tp-sharded or not
+    return DTensor.from_local(t, sub, [Replicate()] * (sub.ndim - 1) + [inner], run_check=False)
 
 
 def _new_state(p: torch.Tensor) -> dict:

@@ -12,7 +12,8 @@ from ..reliability.errors import EXIT_FAILED, EXIT_USER, HybridparError, UserErr
 
 # shortcut flag -> (section, field)
 SHORTCUTS = {
-    "dp": ("parallel", "dp"), "tp": ("parallel", "tp"), "pp": ("parallel", "pp"),
+    "dp": ("parallel", "dp"), "cp": ("parallel", "cp"), "tp": ("parallel", "tp"),
+    "pp": ("parallel", "pp"),
     "microbatches": ("parallel", "microbatches"), "schedule": ("parallel", "schedule"),
     "steps": ("train", "steps"), "seed": ("train", "seed"),
     "global_batch": ("train", "global_batch"), "metrics": ("train", "metrics"),
@@ -23,7 +24,7 @@ SHORTCUTS = {
 def _train_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="hybridpar train",
-        description="Train the Llama-style LM with dp x tp x pp parallelism.",
+        description="Train a model with dp x cp x tp x pp parallelism.",
         epilog="Any config field can be set as --section.field=value:\n" + describe_fields(),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="TOML file with [model], [parallel], [train], [data] tables")

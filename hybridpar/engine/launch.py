@@ -91,7 +91,7 @@ def setup(cfg: Config, *, spec=None) -> ParallelMesh:
     set_threads(cfg)
     device = pick_device(cfg, int(os.environ.get("LOCAL_RANK", "0")))
     p = cfg.parallel
-    layout = Layout(p.dp, p.tp, p.pp, tuple(p.order.split("-")))
+    layout = Layout.of(p)
     if world == 1:
         return single_mesh(device)
     if not dist.is_initialized():

@@ -29,10 +29,15 @@ def startup_lines(trainer) -> list[str]:
         f", {p.microbatches} micro-batch{'es' if p.microbatches > 1 else ''}"
     extras = [x for x, on in (("ZeRO-1", p.zero1), ("sequence parallel", p.sequence_parallel),
                               (f"recompute={p.recompute}", p.recompute != "none"),
-                              (t.precision, t.precision != "fp32")) if on]
+                              (t.precision, t.precision != "fp32"),
+                              (f"{p.cp_attention} context-parallel attention, "
+                               f"{cfg.model.seq_len // lay.cp} tokens of each sequence per rank",
+                               lay.cp > 1)) if on]
     lines = [f"model {spec.name}: {_human(parameter_count(spec))} parameters; "
-             f"{lay.world_size} rank{'s' if lay.world_size > 1 else ''}: dp={lay.dp} tp={lay.tp} "
-             f"pp={lay.pp} (rank order {p.order}){schedule}"
+             f"{lay.world_size} rank{'s' if lay.world_size > 1 else ''}: dp={lay.dp} "
+             + (f"cp={lay.cp} " if lay.cp > 1 else "")
+             + f"tp={lay.tp} pp={lay.pp} (rank order {'-'.join(lay.order) if lay.cp > 1 else p.order})"
+             f"{schedule}"
              + (f"; {', '.join(extras)}" if extras else "")]
     describe = getattr(trainer.dataset, "describe", None)
     per_step = (f"{t.global_batch * cfg.model.seq_len:,} tokens per step "

@@ -75,8 +75,7 @@ def rank_prefix(mesh: ParallelMesh) -> str:
     """'' on rank 0 (the rank users read), else '[rank 3 dp=1 tp=1 pp=0] '."""
     if mesh.rank == 0:
         return ""
-    c = mesh.coords
-    return f"[rank {mesh.rank} dp={c['dp']} tp={c['tp']} pp={c['pp']}] "
+    return f"[rank {mesh.rank} {mesh.layout.describe_rank(mesh.rank).replace(',', '')}] "
 
 
 class _Tagged(logging.LoggerAdapter):

@@ -303,7 +303,7 @@ def finish(tracer: Tracer, cfg, *, log=None) -> dict | None:
     if events is None or not steps_of(events):
         return None
     p = cfg.parallel
-    layout = Layout(p.dp, p.tp, p.pp, tuple(p.order.split("-")))
+    layout = Layout.of(p)
     stage_of = {r: layout.coords(r)["pp"] for r in range(layout.world_size)}
     summary = write(events, cfg.train.trace, pp=p.pp, microbatches=p.microbatches,
                     schedule=p.schedule, virtual_stages=p.virtual_stages, stage_of=stage_of)

@@ -72,13 +72,17 @@ def _per_rank(value: float, mesh: ParallelMesh, what: str) -> list[float]:
     return t.tolist()
 
 
-def _local_rows(step: int, cfg: Config, mesh: ParallelMesh, dataset, split: str = "train"):
+def _local_rows(step: int, cfg: Config, mesh: ParallelMesh, dataset, split: str = "train",
+                shard=None):
     """This dp rank's rows of the layout-independent global batch, as micro-batches (micro-batch
-    k = the same rows of the global batch on every layout)."""
+    k = the same rows of the global batch on every layout); under cp (``shard``), only this cp
+    rank's tokens of each row, inputs and targets alike."""
     t = cfg.train
     batch = dataset.batch(split, step, seed=t.seed, global_batch_size=t.global_batch,
                           seq_len=cfg.model.seq_len)
     mbs = data_mod.local_microbatches(batch, mesh.dp_rank, mesh.layout.dp, cfg.parallel.microbatches)
+    if shard is not None:
+        mbs = [(shard.take(x), shard.take(y)) for x, y in mbs]
     return [x.to(mesh.device) for x, _ in mbs], [y.to(mesh.device) for _, y in mbs]
 
 
@@ -122,7 +126,8 @@ class Trainer:
         check_schedule(eval_lists, P, v, backward=False, what="evaluation schedule")
         self.actions, self.eval_actions = train_lists[mesh.pp_rank], eval_lists[mesh.pp_rank]
         # what crosses each pipeline boundary, from a meta-device forward of one micro-batch
-        example = _local_rows(0, cfg, mesh, self.dataset)[0][0]
+        self.shard = self.pm.sequence_shard  # cp > 1: which tokens of each sequence are ours
+        example = _local_rows(0, cfg, mesh, self.dataset, shard=self.shard)[0][0]
         boundaries = infer_boundaries(self.pm.spec.build, self.pm.stage_units, example,
                                       seq_shards=p.tp if p.sequence_parallel else 1)
         self.scaler = LossScaler() if cfg.train.precision == "fp16" else None
@@ -142,11 +147,12 @@ class Trainer:
     def _set_loss_norm(self, step: int, split: str = "train") -> None:
         """Masked data (instruction tuning): the loss of a step is the sum over the counted
         targets of the global batch / their number, identical on every layout. A micro-batch
-        contributes sum_mb * (M * dp / n); the runtime divides by M and the dp average by dp."""
+        contributes sum_mb * (M * dp * cp / n); the runtime divides by M and the average over
+        the dp x cp replicas by dp * cp (a cp rank sums over its share of the tokens)."""
         if self.masked:
             n = _counted_targets(step, self.cfg, self.dataset, split)
             p = self.cfg.parallel
-            self.loss_norm = p.microbatches * p.dp / max(n, 1)
+            self.loss_norm = p.microbatches * p.dp * p.cp / max(n, 1)
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if self.masked:
@@ -160,7 +166,7 @@ class Trainer:
         t0 = time.perf_counter()
         activity.begin_step(self.step + 1)
         activity.mark("data")
-        xs, ys = _local_rows(self.step, cfg, mesh, self.dataset)
+        xs, ys = _local_rows(self.step, cfg, mesh, self.dataset, shard=self.shard)
         self._set_loss_norm(self.step)
         pm.grad_sync.zero_grad()
         self.meter.reset()
@@ -188,7 +194,10 @@ class Trainer:
         activity.mark("step all-reduce", comm=True)
         sumsq, loss = _all_reduce_scalars([sumsq, loss], mesh)
         activity.mark("optimizer step")
-        grad_norm, loss = math.sqrt(sumsq / replicas), loss / mesh.layout.dp / scale
+        # every dp x cp replica's last stage added its loss (a cp rank's: the mean over its tokens,
+        # the same count on every cp rank, or the masked share of the global mean times dp*cp)
+        replicas_loss = mesh.layout.dp * mesh.layout.cp
+        grad_norm, loss = math.sqrt(sumsq / replicas), loss / replicas_loss / scale
         # fp16: an overflowed step is skipped (same decision on every rank: the norm is global)
         update = self.scaler.update(math.isfinite(grad_norm)) if self.scaler is not None else True
         # fp32/bf16; under fp16 the loss scaler owns non-finite steps (overflow is expected there)
@@ -219,7 +228,8 @@ class Trainer:
                         "activations": self.meter.peak},
                 "max_in_flight": st.max_in_flight,
                 **({"loss_scale": self.scaler.scale} if self.scaler else {}),
-                "layout": {"dp": p.dp, "tp": p.tp, "pp": p.pp, "microbatches": p.microbatches,
+                "layout": {"dp": p.dp, **({"cp": p.cp} if p.cp > 1 else {}), "tp": p.tp, "pp": p.pp,
+                           "microbatches": p.microbatches,
                            "schedule": p.schedule}}
 
     def _rank_times(self) -> dict:
@@ -234,9 +244,8 @@ class Trainer:
                                "fastest": busy.index(min(busy))}}
         slow = find_straggler(busy, self.mesh.layout, self.cfg.reliability.straggler_threshold)
         if slow:
-            c = self.mesh.layout.coords(slow[0])
             out["straggler"] = {"rank": slow[0], "ratio": round(slow[1], 2),
-                                "coords": f"dp={c['dp']}, tp={c['tp']}, pp={c['pp']}"}
+                                "coords": self.mesh.layout.describe_rank(slow[0])}
         return out
 
     def _nonfinite(self, loss: float, grad_norm: float, bads: list[float]) -> bool:
@@ -251,8 +260,7 @@ class Trainer:
         msg = f"non-finite {what} at step {self.step + 1} (loss={loss:.4g}, grad_norm={grad_norm:.4g})"
         flagged = [r for r, b in enumerate(bads) if b == 2] or [r for r, b in enumerate(bads) if b]
         if flagged:
-            c = self.mesh.layout.coords(flagged[0])
-            msg += (f", first on rank {flagged[0]} (dp={c['dp']}, tp={c['tp']}, pp={c['pp']})"
+            msg += (f", first on rank {flagged[0]} ({self.mesh.layout.describe_rank(flagged[0])})"
                     + (f" of {len(flagged)} ranks" if len(flagged) > 1 else ""))
         if rel.nan_policy == "stop":
             raise NonFiniteError(f"{msg}; lower train.lr, check the data, or skip such steps with "
@@ -277,7 +285,7 @@ class Trainer:
         self.pm.module.eval()  # BatchNorm normalises by its running statistics, updates nothing
         try:
             for i in range(n):
-                xs, ys = _local_rows(i, cfg, mesh, self.dataset, "val")
+                xs, ys = _local_rows(i, cfg, mesh, self.dataset, "val", shard=self.shard)
                 self._set_loss_norm(i, "val")
                 st = self.runner.run(self.eval_actions, xs, ys)
                 if self.pm.is_last and mesh.tp_rank == 0:
@@ -288,7 +296,7 @@ class Trainer:
             self.pm.module.train()
         activity.mark("eval all-reduce", comm=True)
         total, correct, count = _all_reduce_scalars([total, *metric], mesh)
-        out = {"val_loss": total / (n * mesh.layout.dp)}
+        out = {"val_loss": total / (n * mesh.layout.dp * mesh.layout.cp)}
         if self.runner.eval_fn is not None and count:
             out["val_accuracy"] = correct / count
         return out

@@ -6,7 +6,7 @@ import math
 import torch
 
 from ..config import ModelConfig
-from .transformer import Transformer
+from .transformer import Transformer, shard_sequence
 from .spec import CROSS_ENTROPY, ModelSpec
 
 # Megatron's plan per block: q, k, v, w1, w3 split by output features (heads / hidden units),
@@ -64,4 +64,5 @@ def llama_spec(cfg: ModelConfig) -> ModelSpec:
         selective_recompute=("layers.*.attn:core",),
         check=None,  # tp vs heads/d_ff/vocab: config.validate, before any process starts
         flops_per_sample=flops_per_token(cfg) * cfg.seq_len,
+        context_parallel=shard_sequence,
     )

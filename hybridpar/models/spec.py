@@ -28,7 +28,11 @@ engine. A ``ModelSpec`` describes it as data:
   ``(Config) -> dataset`` with a ``batch(split, step, *, seed, global_batch_size, seq_len)``
   method returning one global batch (inputs, targets) as a pure function of the step;
 * ``eval_metric(output, targets)``: a tensor of (correct, count) per micro-batch, summed over
-  the validation set into ``val_accuracy``.
+  the validation set into ``val_accuracy``;
+* ``context_parallel(model, shard)``: makes the model run on a shard of each sequence (cp > 1):
+  attend with ``shard.attend(q, k, v, causal=...)`` and use ``shard.positions`` (the global
+  positions of the local tokens) wherever positions matter. Inputs and targets are then split
+  along dim 1 by the engine; None: the model does not support cp.
 """
 from __future__ import annotations
 
@@ -59,6 +63,7 @@ class ModelSpec:
     flops_per_sample: float | None = None
     data: str | Callable = "text"
     eval_metric: Callable[[object, torch.Tensor], torch.Tensor] | None = None
+    context_parallel: Callable[[nn.Module, object], None] | None = None
 
     def __post_init__(self):
         if not self.blocks:

@@ -38,16 +38,28 @@ def rope_tables(seq_len: int, head_dim: int, theta: float, device=None) -> tuple
 
 class Rotary:
     """The rotary tables, computed on first use per (length, device) and cached: not a buffer,
-    so a model built on the meta device needs no re-initialisation and nothing is saved."""
+    so a model built on the meta device needs no re-initialisation and nothing is saved. With
+    ``positions`` (context parallelism: the global positions of the local tokens) row i is the
+    table of position ``positions[i]``."""
 
-    def __init__(self, head_dim: int, theta: float):
-        self.head_dim, self.theta = head_dim, theta
+    def __init__(self, head_dim: int, theta: float, positions: torch.Tensor | None = None):
+        self.head_dim, self.theta, self.positions = head_dim, theta, positions
         self._cache: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def at(self, positions: torch.Tensor) -> "Rotary":
+        return Rotary(self.head_dim, self.theta, positions)
 
     def __call__(self, length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         key = (length, str(device))
         if key not in self._cache:
-            self._cache[key] = rope_tables(length, self.head_dim, self.theta, device)
+            if self.positions is None:
+                self._cache[key] = rope_tables(length, self.head_dim, self.theta, device)
+            else:
+                if self.positions.numel() != length:
+                    raise ValueError(f"{length} local tokens but {self.positions.numel()} positions")
+                idx = self.positions.to(device)
+                cos, sin = rope_tables(int(idx.max()) + 1, self.head_dim, self.theta, device)
+                self._cache[key] = cos[idx], sin[idx]
         return self._cache[key]
 
 
@@ -140,6 +152,25 @@ class Transformer(nn.Module):
         if self.norm is not None:
             h = self.norm(h)
         return self.lm_head(h) if self.lm_head is not None else h
+
+
+def shard_sequence(model: nn.Module, shard) -> None:
+    """Context parallelism (``ModelSpec.context_parallel``): every attention layer attends its
+    local tokens to the whole sequence through ``shard.attend`` (causal by global position)
+    and rotates q, k by the global positions of its tokens. One shared sharded table."""
+    rotaries = {}
+    for m in model.modules():
+        if isinstance(m, Attention):
+            if id(m.rotary) not in rotaries:
+                rotaries[id(m.rotary)] = m.rotary.at(shard.positions)
+            m.rotary = rotaries[id(m.rotary)]
+            m.core = _causal(shard)
+
+
+def _causal(shard):
+    def core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return shard.attend(q, k, v, causal=True)
+    return core
 
 
 def count_params(cfg: ModelConfig) -> int:

@@ -21,6 +21,7 @@ one code path on Gloo and NCCL.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -29,7 +30,8 @@ from torch.autograd.function import once_differentiable
 from .collectives import all_gather_flat, reduce_scatter_flat
 
 __all__ = ["zigzag_positions", "zigzag_index", "attention_block", "merge_partials",
-           "allgather_attention", "ring_attention", "context_attention"]
+           "allgather_attention", "ring_attention", "context_attention", "SequenceShard",
+           "apply_context_parallel"]
 
 _METHODS = ("ring", "allgather")
 
@@ -205,7 +207,8 @@ def _prepare(q, k, v, q_pos, group, scale):
     return cp, q_pos, 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
 
 
-def allgather_attention(q, k, v, q_pos, group, causal: bool = True, scale: float | None = None):
+def allgather_attention(q, k, v, q_pos, group, causal: bool = True, scale: float | None = None,
+                        all_pos=None):
     """Context-parallel attention by all-gathering K and V over ``group`` (along time, in group-
     rank order, positions gathered alongside) and attending the local queries to all of them;
     autograd gives dQ locally and dK, dV through the gather's backward, a reduce-scatter
@@ -213,7 +216,11 @@ def allgather_attention(q, k, v, q_pos, group, causal: bool = True, scale: float
     cp, q_pos, scale = _prepare(q, k, v, q_pos, group, scale)
     if cp == 1:
         return attention_block(q, k, v, q_pos, q_pos, causal, scale)[0]
-    k_pos = _gather_positions(q_pos, group, cp).reshape(-1) if causal else None
+    if causal:
+        k_pos = (_gather_positions(q_pos, group, cp) if all_pos is None
+                 else all_pos.to(q_pos.device)).reshape(-1)
+    else:
+        k_pos = None
     kv = _GatherSeq.apply(torch.stack([k, v]), 2, group)  # one collective for K and V
     out, _ = _attend(q, kv[0], kv[1], q_pos, k_pos, causal, scale)
     return out.to(q.dtype)
@@ -260,10 +267,10 @@ class _RingAttention(torch.autograd.Function):
     every rank, so no rank waits for a send that never comes."""
 
     @staticmethod
-    def forward(ctx, q, k, v, q_pos, group, causal, scale):
+    def forward(ctx, q, k, v, q_pos, group, causal, scale, all_pos):
         rank, cp, nxt, prv = _ring_peers(group)
         acc = _acc_dtype(q.dtype)
-        all_pos = _gather_positions(q_pos, group, cp)
+        all_pos = _gather_positions(q_pos, group, cp) if all_pos is None else all_pos.to(q_pos.device)
         live = _live_blocks(all_pos, q_pos, causal)
         B, T, H, hd = q.shape
         out = torch.zeros(B, T, H, hd, dtype=acc, device=q.device)
@@ -329,25 +336,74 @@ class _RingAttention(torch.autograd.Function):
                 kv = kv_next
         _wait(dkv_works)  # after cp hops: the sum of every rank's contribution to our K, V
         return (dq.view(B, T, H, hd).to(q.dtype), dkv_recv[0].to(k.dtype), dkv_recv[1].to(v.dtype),
-                None, None, None, None)
+                None, None, None, None, None)
 
 
-def ring_attention(q, k, v, q_pos, group, causal: bool = True, scale: float | None = None):
+def ring_attention(q, k, v, q_pos, group, causal: bool = True, scale: float | None = None,
+                   all_pos=None):
     """Context-parallel attention on a ring: never holds more than two K/V blocks; exact
     forward and backward (see ``_RingAttention``). ``q_pos`` None means zigzag sharding."""
     cp, q_pos, scale = _prepare(q, k, v, q_pos, group, scale)
     if cp == 1:
         return attention_block(q, k, v, q_pos, q_pos, causal, scale)[0]
-    return _RingAttention.apply(q, k, v, q_pos, group, causal, scale)
+    return _RingAttention.apply(q, k, v, q_pos, group, causal, scale, all_pos)
 
 
 def context_attention(q, k, v, q_pos=None, group=None, *, causal: bool = True, method: str = "ring",
-                      scale: float | None = None):
+                      scale: float | None = None, all_pos=None):
     """softmax(scale q k^T + causal mask by global position) v over the whole sequence, the
     keys sharded over ``group`` like the queries. ``q_pos``: the global positions of the local
     tokens (None: zigzag sharding of cp*T tokens). ``method``: "ring" or "allgather". With no
-    group, or a group of one rank, this is plain attention of the local tokens."""
+    group, or a group of one rank, this is plain attention of the local tokens. ``all_pos``:
+    (cp, T) positions of every group rank when the caller knows them (else all-gathered)."""
     if method not in _METHODS:
         raise ValueError(f"method must be one of {_METHODS}, got {method!r}")
     fn = ring_attention if method == "ring" else allgather_attention
-    return fn(q, k, v, q_pos, group, causal, scale)
+    return fn(q, k, v, q_pos, group, causal, scale, all_pos)
+
+
+# ---------------------------------------------------------------- the engine's cp axis
+
+@dataclass(frozen=True, eq=False)
+class SequenceShard:
+    """This rank's share of every sequence under cp, as handed to a model's
+    ``ModelSpec.context_parallel`` hook: the model takes the global ``positions`` of its local
+    tokens (e.g. for rotary embeddings) and attends with ``attend`` instead of its own
+    attention. Inputs and targets are split along dim 1 with ``take`` before the model runs."""
+
+    positions: torch.Tensor   # (T/cp,) global positions of this rank's tokens (zigzag)
+    all_positions: torch.Tensor  # (cp, T/cp): every cp rank's positions
+    group: object             # the cp process group
+    method: str = "ring"
+
+    @classmethod
+    def zigzag(cls, seq_len: int, group, rank: int, cp: int, method: str, device) -> "SequenceShard":
+        every = torch.stack([zigzag_positions(seq_len, cp, r) for r in range(cp)]).to(device)
+        return cls(every[rank], every, group, method)
+
+    def take(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's tokens of a (B, T, ...) batch tensor."""
+        return x[:, self.positions.to(x.device)]
+
+    def attend(self, q, k, v, *, causal: bool = True, scale: float | None = None) -> torch.Tensor:
+        """Attention of the local queries to the whole sequence (q (B,T,H,hd), k/v (B,T,Hkv,hd)).
+        Outside autocast: the online softmax and its merges run in float32 whatever the
+        training precision (the result comes back in q's dtype)."""
+        with torch.autocast(q.device.type, enabled=False):
+            return context_attention(q, k, v, self.positions, self.group, causal=causal,
+                                     method=self.method, scale=scale, all_pos=self.all_positions)
+
+
+def apply_context_parallel(model, spec, mesh, *, seq_len: int, method: str = "ring") -> SequenceShard | None:
+    """Shard every sequence of ``model`` over the mesh's cp group (None when cp = 1): the spec's
+    ``context_parallel`` hook installs the shard (positions, attention) in the model."""
+    cp = mesh.layout.cp
+    if cp == 1:
+        return None
+    if spec.context_parallel is None:
+        from ..config import ConfigError
+        raise ConfigError(f"parallel.cp={cp}: model {spec.name!r} does not support context "
+                          f"parallelism (its ModelSpec has no context_parallel hook); use cp=1")
+    shard = SequenceShard.zigzag(seq_len, mesh.group("cp"), mesh.cp_rank, cp, method, mesh.device)
+    spec.context_parallel(model, shard)
+    return shard

@@ -20,6 +20,7 @@ from torch import nn
 
 from .batchnorm import recomputing, reset_buffers, sync_batchnorm
 from ..config import Config, bucket_bytes, pp_split
+from .context_parallel import SequenceShard, apply_context_parallel
 from .data_parallel import GradSync
 from .memory import record_saved
 from .mesh import ParallelMesh
@@ -62,6 +63,7 @@ class ParallelModel:
     sequence_parallel: bool = False
     vocab_parallel_loss: bool = False  # the head is split by vocabulary rows over tp
     stage_units: list[list[str]] = field(default_factory=list)  # every virtual stage's units
+    sequence_shard: SequenceShard | None = None  # cp > 1: this rank's tokens of each sequence
 
     @property
     def is_first(self) -> bool:
@@ -100,7 +102,7 @@ class ParallelModel:
             yield p
 
     def grad_sumsq(self) -> tuple[float, int]:
-        """This rank's share of the squared global gradient norm, and how many dp replicas
+        """This rank's share of the squared global gradient norm, and how many dp x cp replicas
         count it (the world all-reduce of the shares is divided by that)."""
         counted = {id(p) for p in self.counted_parameters()}
         if self.grad_sync.zero1:
@@ -110,7 +112,8 @@ class ParallelModel:
         # one multi-tensor kernel and one host sync for all the norms (not one per parameter);
         # the squares are summed in the same order as ever, in float64
         total = sum(n * n for n in _norms64(grads))
-        return total, 1 if self.grad_sync.zero1 else self.mesh.layout.dp
+        layout = self.mesh.layout
+        return total, 1 if self.grad_sync.zero1 else layout.dp * layout.cp
 
     def finish_grads(self) -> None:
         """After the schedule: dp all-reduce, then sum the tied embedding's two pipeline copies."""
@@ -265,6 +268,8 @@ def parallelize(cfg: Config, mesh: ParallelMesh, *, spec: ModelSpec | None = Non
     chunk_units = split_pipeline(model, spec, mesh.pp_rank, mesh.layout.pp, split)
     tp_dims = apply_tp(model, mesh, dict(spec.tp_plan), sequence_parallel=p.sequence_parallel)
     sync_batchnorm(model, mesh.group("dp"))
+    # before recompute, so that a recomputed attention core is the context-parallel one
+    seq_shard = apply_context_parallel(model, spec, mesh, seq_len=m.seq_len, method=p.cp_attention)
     apply_recompute(model, spec, p.recompute)
 
     model.to_empty(device=mesh.device)  # allocates each parameter anew: re-tie below
@@ -292,7 +297,9 @@ def parallelize(cfg: Config, mesh: ParallelMesh, *, spec: ModelSpec | None = Non
                                                 init_state=init_state, source=m.init_from or "init_state")))
             specs[name] = shard
     params = dict(model.named_parameters())
-    sync = GradSync.build(list(params.values()), group=mesh.group("dp"), n_accum=p.microbatches,
+    # cp ranks hold the same parameters and see different tokens: gradients are averaged (and
+    # ZeRO-1 state sharded) over the dp x cp replicas of this (tp, pp) shard
+    sync = GradSync.build(list(params.values()), group=mesh.group("dcp"), n_accum=p.microbatches,
                           bucket_bytes=bucket_bytes(sum(q.numel() * q.element_size()
                                                         for q in params.values()), p.bucket_mb),
                           zero1=p.zero1, own_bucket=tuple(_shared_across_stages(model, spec, mesh)),
@@ -303,7 +310,7 @@ def parallelize(cfg: Config, mesh: ParallelMesh, *, spec: ModelSpec | None = Non
     vocab_parallel = mesh.layout.tp > 1 and any(
         "vocab_head" in style_of(dict(spec.tp_plan), u) for u in spec.head)
     return ParallelModel(model, mesh, spec, specs, sync, chunks, p.sequence_parallel,
-                         vocab_parallel, spec.stage_units(split))
+                         vocab_parallel, spec.stage_units(split), seq_shard)
 
 
 def build_optimizer(pm: ParallelModel, cfg: Config) -> torch.optim.Optimizer:

@@ -107,8 +107,7 @@ class Verdict:
 
 
 def _coords(layout, rank: int) -> str:
-    c = layout.coords(rank)
-    return f"dp={c['dp']}, tp={c['tp']}, pp={c['pp']}"
+    return layout.describe_rank(rank)
 
 
 def diagnose(beats: dict[int, dict | None], *, layout, now: float, deadline_s: float,

@@ -236,7 +236,7 @@ def build_native(cfg: Config, layout: Layout, rank: int, device: torch.device) -
     if p.virtual_stages > 1 or p.zero1 or p.sequence_parallel or p.recompute != "none" \
             or cfg.train.precision != "fp32":
         raise ValueError("the native benchmark covers plain dp/tp/pp in fp32 (gpipe or 1f1b)")
-    dm = DeviceMesh(device.type, layout.grid(), mesh_dim_names=("pp", "dp", "tp"))
+    dm = DeviceMesh(device.type, layout.grid().squeeze(2), mesh_dim_names=("pp", "dp", "tp"))
     c = layout.coords(rank)
     groups = {a: dm.get_group(a) for a in ("pp", "dp", "tp") if layout.size(a) > 1}
     model = build_model(cfg, c["pp"], layout.pp)

@@ -109,7 +109,7 @@ def _bench_layout(cfg: Config, dataset, a: dict) -> dict:
     from .native import build_native
 
     p = cfg.parallel
-    layout = Layout(p.dp, p.tp, p.pp, tuple(p.order.split("-")))
+    layout = Layout.of(p)
     device, rank = torch.device("cpu"), dist.get_rank()
     mesh = build_mesh(layout, device)
     hyb = Trainer(cfg, mesh, dataset)
