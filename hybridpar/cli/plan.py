@@ -55,7 +55,8 @@ def resolve(args, overrides: list[str]) -> tuple[Config, int]:
 
 def command(cfg: Config, plan: Plan, args) -> list[str]:
     """The ``hybridpar train`` arguments that run ``plan`` as is."""
-    argv = ["--dp", str(plan.dp), "--tp", str(plan.tp), "--pp", str(plan.pp),
+    argv = ["--dp", str(plan.dp), *(["--cp", str(plan.cp)] if plan.cp > 1 else []),
+            "--tp", str(plan.tp), "--pp", str(plan.pp),
             "--microbatches", str(plan.microbatches), "--schedule", plan.schedule,
             "--global-batch", str(plan.global_batch)]
     if args.config:
@@ -77,7 +78,8 @@ def _mem(x: float, big: bool) -> str:
 def format_table(rows: list[Row], c: Cluster) -> str:
     big = max(r.mem["total"] for r in rows) > 4 * 2 ** 30
     unit = "GiB" if big else "MiB"
-    head = (f"{'#':>2} {'dp':>4} {'tp':>2} {'pp':>3} {'mb x M':>9} {'schedule':>13} {'recomp':>9} "
+    cp = any(r.plan.cp > 1 for r in rows)  # a cp column (its ring time counts in "tp s") if used
+    head = (f"{'#':>2} {'dp':>4} " + (f"{'cp':>3} " if cp else "") + f"{'tp':>2} {'pp':>3} {'mb x M':>9} {'schedule':>13} {'recomp':>9} "
             f"{'zero1':>5} {'sp':>3} {'step s':>8} {'tok/s':>9} {'MFU':>5} {'bubble':>6} "
             f"{'tp s':>7} {'pp s':>7} {'dp s':>7} | {'params':>7} {'grads':>7} {'optim':>7} "
             f"{'activ':>7} {'total':>7} {unit:>3} fits")
@@ -85,7 +87,7 @@ def format_table(rows: list[Row], c: Cluster) -> str:
     for i, r in enumerate(rows, 1):
         p, q, mem = r.plan, r.pred, r.mem
         lines.append(
-            f"{i:2d} {p.dp:4d} {p.tp:2d} {p.pp:3d} {f'{p.mb_size}x{p.microbatches}':>9} {p.schedule_label:>13} "
+            f"{i:2d} {p.dp:4d} " + (f"{p.cp:3d} " if cp else "") + f"{p.tp:2d} {p.pp:3d} {f'{p.mb_size}x{p.microbatches}':>9} {p.schedule_label:>13} "
             f"{p.recompute:>9} {'y' if p.zero1 else '-':>5} {'y' if p.sequence_parallel else '-':>3} "
             f"{q.step_time:8.3f} {r.tokens_per_s:9.0f} {r.mfu:5.1%} {q.bubble:6.1%} "
             f"{q.comm['tp']:7.3f} {q.comm['pp']:7.3f} {q.comm['dp']:7.3f} | "
@@ -109,7 +111,7 @@ def plan_main(argv: list[str], run_train=None) -> int:
     print(f"model: {m.n_layers} layers, d_model {m.d_model}, heads {m.n_heads}/{m.n_kv_heads} kv, "
           f"d_ff {m.d_ff}, vocab {m.vocab_size}, seq {m.seq_len}; global batch {gb}; cluster "
           f"{c.name}: {c.nodes} x {c.devices_per_node} devices, {c.device_mem / 2 ** 30:.1f} GiB each; "
-          f"{n} valid layouts (tp inside a node, rank order tp-dp-pp)")
+          f"{n} valid layouts (tp inside a node, rank order tp-cp-dp-pp)")
     print(format_table(rows, c))
     best = rows[0]
     if not best.fits:

@@ -50,10 +50,18 @@ class Plan:
     recompute: str = "none"
     zero1: bool = False
     sequence_parallel: bool = False
+    cp: int = 1
+    """Context parallelism: each sequence split over cp ranks (ring attention), which hold the
+    same parameters and reduce gradients (and shard ZeRO-1 state) with the dp replicas."""
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def replicas(self) -> int:
+        """Ranks that hold the same parameters: the gradient all-reduce (ZeRO-1 shard) group."""
+        return self.dp * self.cp
 
     @property
     def global_batch(self) -> int:
@@ -64,14 +72,18 @@ class Plan:
         return self.schedule + (f" v{self.virtual_stages}" if self.virtual_stages > 1 else "")
 
     def label(self) -> str:
-        return (f"dp={self.dp} tp={self.tp} pp={self.pp} mb={self.mb_size}x{self.microbatches} "
+        return (f"dp={self.dp} " + (f"cp={self.cp} " if self.cp > 1 else "")
+                + f"tp={self.tp} pp={self.pp} mb={self.mb_size}x{self.microbatches} "
                 f"{self.schedule_label}")
 
 
 # ---- FLOPs ----------------------------------------------------------------------------------
 
 def matmuls(m: ModelConfig, tokens: int, tp: int) -> list[tuple[str, float, float]]:
-    """(name, forward FLOPs, FLOPs as timed) of the matmuls of one block on one tp rank."""
+    """(name, forward FLOPs, FLOPs as timed) of the matmuls of one block on one tp rank;
+    ``tokens`` are this rank's queries, each attending to a whole sequence of s keys (under
+    cp the local share of every sequence: the zigzag split gives each rank half its keys
+    unmasked, as without cp)."""
     d, e, f, s = m.d_model, m.head_dim, m.d_ff, m.seq_len
     h, g = m.n_heads // tp, m.n_kv_heads // tp
     out = [("wq", 2 * tokens * d * h * e), ("wk", 2 * tokens * d * g * e),
@@ -158,12 +170,14 @@ def collective_time(c: Cluster, op: str, n: int, nbytes: float, *, inter: bool =
 
 
 def spans_nodes(c: Cluster, plan: Plan, axis: str) -> bool:
-    """Rank order tp innermost, then dp, then pp (``tp-dp-pp``): a tp group is consecutive
-    ranks, a dp group has stride tp, a pp neighbour is tp*dp ranks away."""
+    """Rank order tp innermost, then cp, dp, pp (``tp-cp-dp-pp``): a tp group is consecutive
+    ranks, a cp group has stride tp, a dp group stride tp*cp, a pp neighbour is tp*cp*dp away."""
     per = c.devices_per_node
     if c.world <= per:
         return False
-    return {"tp": plan.tp > per, "dp": plan.tp * plan.dp > per, "pp": plan.tp * plan.dp >= per}[axis]
+    tc = plan.tp * plan.cp  # the default order tp-cp-dp-pp
+    return {"tp": plan.tp > per, "cp": tc > per, "dp": tc * plan.dp > per,
+            "pp": tc * plan.dp >= per}[axis]
 
 
 # ---- memory ---------------------------------------------------------------------------------
@@ -206,8 +220,11 @@ def activations(m: ModelConfig, plan: Plan, a: int, *, embed: bool, head: bool, 
                  is a view of), and its logsumexp: 4n*e*h + n*h (RoPE keeps nothing: cos and
                  sin need no gradient); selective: the core's inputs and output, n*e*(2h + 2g)
       MLP: w1 x, silu(w1 x), w3 x, their product: 4n*f
-    recompute=full keeps only each block's input (nd); sequence parallel shards the norm parts."""
-    t, n, d = plan.tp, plan.mb_size * m.seq_len, m.d_model
+    recompute=full keeps only each block's input (nd); sequence parallel shards the norm parts.
+    Context parallelism: n is this rank's share of the tokens (s/cp per sequence), and the ring
+    attention keeps roped q, k and v of the kv heads (no repeats), its output and an fp32
+    log-sum-exp: n*e*(2h + 2g) + 4n*h."""
+    t, n, d = plan.tp, plan.mb_size * m.seq_len // plan.cp, m.d_model
     h, g, e, f = m.n_heads // t, m.n_kv_heads // t, m.head_dim, m.d_ff // t
     sp = plan.sequence_parallel and t > 1
     # SP: the norm's output is not kept, the all-gathered input of the linears is
@@ -215,7 +232,8 @@ def activations(m: ModelConfig, plan: Plan, a: int, *, embed: bool, head: bool, 
     if plan.recompute == "full":
         per_layer = n * d * a / (t if sp else 1)
     else:
-        attn = n * e * ((2 * h + 2 * g) if plan.recompute == "selective" else 4 * h) * a
+        attn = n * e * ((2 * h + 2 * g) if plan.recompute == "selective" or plan.cp > 1
+                        else 4 * h) * a
         lse = 0 if plan.recompute == "selective" else n * h * 4
         per_layer = 2 * norm + attn + lse + 4 * n * f * a
     total = layers * per_layer
@@ -240,9 +258,9 @@ def in_flight(plan: Plan, stage: int) -> int:
 def memory(m: ModelConfig, plan: Plan, c: Cluster, stage: int = 0) -> dict[str, float]:
     """Bytes on one rank of ``stage``: fp32 params and grads (the runtime keeps fp32 master
     weights under any precision), AdamW's two fp32 moments (+ a 4 B step per tensor), 1/dp of
-    them under ZeRO-1, and the activation peak (in-flight micro-batches x bytes per chunk)."""
+    them under ZeRO-1 (1/(dp cp)), and the activation peak (in-flight micro-batches x bytes per chunk)."""
     n, tensors = stage_params(m, plan, stage)
-    shard = plan.dp if plan.zero1 else 1
+    shard = plan.replicas if plan.zero1 else 1
     split, V = stage_layers(m, plan), plan.pp * plan.virtual_stages
     vs = [ch * plan.pp + stage for ch in range(plan.virtual_stages)]
     per_chunk = [activations(m, plan, c.dtype_bytes, embed=v == 0, head=v == V - 1, layers=split[v])

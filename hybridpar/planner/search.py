@@ -29,6 +29,7 @@ MODELS = {
                              vocab_size=51200, seq_len=2048),
 }
 MODELS["ours"] = MODELS["default"]
+CP_MIN_TOKENS = 4096
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ def divisors(n: int) -> list[int]:
 def check(m: ModelConfig, plan: Plan, c: Cluster) -> str | None:
     """Why ``plan`` cannot run on ``c`` (one line), or None."""
     if plan.world != c.world:
-        return f"dp*tp*pp = {plan.world} but the cluster has {c.world} devices"
+        return f"dp*cp*tp*pp = {plan.world} but the cluster has {c.world} devices"
     if plan.tp > c.devices_per_node:
         return f"tp={plan.tp} exceeds {c.devices_per_node} devices per node (tp stays inside a node)"
     for name in ("n_heads", "n_kv_heads", "d_ff", "vocab_size"):
@@ -59,8 +60,10 @@ def check(m: ModelConfig, plan: Plan, c: Cluster) -> str | None:
     if plan.virtual_stages > 1 and (plan.schedule != "interleaved" or plan.pp < 2
                                     or plan.microbatches % plan.pp):
         return "interleaving needs schedule=interleaved, pp >= 2 and microbatches a multiple of pp"
-    if plan.sequence_parallel and m.seq_len % plan.tp:
-        return f"sequence parallel needs tp={plan.tp} to divide seq_len={m.seq_len}"
+    if plan.cp > 1 and m.seq_len % (2 * plan.cp):
+        return f"cp={plan.cp} needs seq_len={m.seq_len} to be a multiple of 2*cp"
+    if plan.sequence_parallel and (m.seq_len // plan.cp) % plan.tp:
+        return f"sequence parallel needs tp={plan.tp} to divide seq_len/cp={m.seq_len // plan.cp}"
     return None
 
 
@@ -69,28 +72,40 @@ def candidates(m: ModelConfig, c: Cluster, global_batch: int, *, max_mb: int = 8
     """Every valid layout; ``fixed`` pins Plan fields (e.g. {"microbatches": 4})."""
     fixed = fixed or {}
     out = []
+    for tp, pp, cp in _axes(m, c):
+        dp = c.world // (tp * pp * cp)
+        if global_batch % dp:
+            continue
+        for mb in [b for b in divisors(global_batch // dp) if b <= max_mb]:
+            M = global_batch // (dp * mb)
+            # interleaving only with equal chunks (Megatron requires it; unequal chunks
+            # stall the interleaved pipeline beyond what its closed form predicts)
+            scheds = [("1f1b", 1)] + ([("gpipe", 1)] + [("interleaved", v) for v in (2, 4)
+                                                         if m.n_layers % (pp * v) == 0]
+                                      if pp > 1 else [])
+            for sched, v in scheds:
+                for rc in ("none", "selective", "full"):
+                    for z in ((False, True) if dp * cp > 1 else (False,)):
+                        for sp in ((False, True) if tp > 1 else (False,)):
+                            p = Plan(dp, tp, pp, M, mb, sched, v, rc, z, sp, cp)
+                            if any(getattr(p, k) != val for k, val in fixed.items()):
+                                continue
+                            if check(m, p, c) is None:
+                                out.append(p)
+    return out
+
+
+def _axes(m: ModelConfig, c: Cluster):
+    """(tp, pp, cp) triples: tp inside a node; cp where the zigzag split fits the sequence
+    (seq_len a multiple of 2*cp), and only for long sequences, a rank keeping at least
+    ``CP_MIN_TOKENS`` of each: below that the ring's small blocks run the attention kernel and
+    the links far from their peak, which this model does not capture (Megatron-Core's guidance
+    likewise reserves cp for sequences of 8k tokens and more)."""
     for tp in divisors(min(c.world, c.devices_per_node)):
         for pp in divisors(c.world // tp):
-            dp = c.world // (tp * pp)
-            if global_batch % dp:
-                continue
-            for mb in [b for b in divisors(global_batch // dp) if b <= max_mb]:
-                M = global_batch // (dp * mb)
-                # interleaving only with equal chunks (Megatron requires it; unequal chunks
-                # stall the interleaved pipeline beyond what its closed form predicts)
-                scheds = [("1f1b", 1)] + ([("gpipe", 1)] + [("interleaved", v) for v in (2, 4)
-                                                             if m.n_layers % (pp * v) == 0]
-                                          if pp > 1 else [])
-                for sched, v in scheds:
-                    for rc in ("none", "selective", "full"):
-                        for z in ((False, True) if dp > 1 else (False,)):
-                            for sp in ((False, True) if tp > 1 else (False,)):
-                                p = Plan(dp, tp, pp, M, mb, sched, v, rc, z, sp)
-                                if any(getattr(p, k) != val for k, val in fixed.items()):
-                                    continue
-                                if check(m, p, c) is None:
-                                    out.append(p)
-    return out
+            for cp in divisors(c.world // (tp * pp)):
+                if cp == 1 or (m.seq_len % (2 * cp) == 0 and m.seq_len // cp >= CP_MIN_TOKENS):
+                    yield tp, pp, cp
 
 
 def evaluate(m: ModelConfig, plan: Plan, c: Cluster, *, quick: bool = False) -> Row:

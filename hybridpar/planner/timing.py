@@ -71,7 +71,7 @@ def _chunk_costs(m: ModelConfig, plan: Plan, c: Cluster, *, layers: int, embed: 
     """(forward s, backward s, tp communication s of both) of one micro-batch on one chunk;
     ``busy_ranks``: how many ranks share the CPU's cores meanwhile (0: the group alone)."""
     t, a, w = plan.tp, c.dtype_bytes, busy_ranks
-    n, d = plan.mb_size * m.seq_len, m.d_model
+    n, d = plan.mb_size * m.seq_len // plan.cp, m.d_model
     h, g, e, f = m.n_heads // t, m.n_kv_heads // t, m.head_dim, m.d_ff // t
     threads = _threads(c, plan)
     bw = c.elementwise_bw(threads)
@@ -97,6 +97,16 @@ def _chunk_costs(m: ModelConfig, plan: Plan, c: Cluster, *, layers: int, embed: 
     else:
         tp1 = 0.0
     comm_f = comm_b = 2 * tp1 * layers
+    if plan.cp > 1:  # ring attention: what of the K/V (forward) and K/V + fp32 dK/dV (backward)
+        # transfers the attention blocks' compute does not hide, per layer
+        hop = collective_time(c, "send/recv", 2, 2 * n * g * e * a, inter=spans_nodes(c, plan, "cp"),
+                              world=w)
+        hop_b = hop + collective_time(c, "send/recv", 2, 2 * n * g * e * 4,
+                                      inter=spans_nodes(c, plan, "cp"), world=w)
+        block = mm(core) * slow / plan.cp  # one block's share of the attention compute
+        cp_f = (plan.cp - 1) * max(hop - block, 0.1 * hop)
+        cp_b = plan.cp * max(hop_b - 2 * block, 0.1 * hop_b)
+        comm_f, comm_b = comm_f + cp_f * layers, comm_b + cp_b * layers
     fwd, bwd = layers * layer_f + comm_f, layers * layer_b + comm_b
     if plan.recompute == "full":
         bwd += layers * layer_f + comm_f
@@ -125,15 +135,16 @@ def _post_schedule(m: ModelConfig, plan: Plan, c: Cluster, stage: int, last_bwd:
     n, _ = stage_params(m, plan, stage)
     grads = 4.0 * n
     inter = spans_nodes(c, plan, "dp")
+    r = plan.replicas  # cp ranks reduce their gradients with the dp replicas
     if plan.zero1:
-        sync = collective_time(c, "reduce-scatter", plan.dp, grads, inter=inter, world=plan.world)
-        gather = collective_time(c, "all-gather", plan.dp, grads, inter=inter, world=plan.world)
+        sync = collective_time(c, "reduce-scatter", r, grads, inter=inter, world=plan.world)
+        gather = collective_time(c, "all-gather", r, grads, inter=inter, world=plan.world)
     else:
-        sync = collective_time(c, "all-reduce", plan.dp, grads, inter=inter, world=plan.world)
+        sync = collective_time(c, "all-reduce", r, grads, inter=inter, world=plan.world)
         gather = 0.0
     buckets = max(1, -(-grads // bucket_bytes(int(grads), 0)))
     exposed = sync - min(last_bwd, sync * (buckets - 1) / buckets)
-    shard = plan.dp if plan.zero1 else 1
+    shard = r if plan.zero1 else 1
     per_param = c.overhead.get("param") or OPT_BYTES / c.elementwise_bw(_threads(c, plan))
     opt = (n / shard + n) / 2 * per_param * slow  # the moments on the shard; norm/zero on all
     scalars = collective_time(c, "all-reduce", plan.world, 16, inter=c.world > c.devices_per_node)
@@ -184,7 +195,8 @@ def _closed_form(p: int, M: int, v: int, fwd: tuple, bwd: tuple, tc: float, work
 def predict_time(m: ModelConfig, plan: Plan, c: Cluster, *, quick: bool = False) -> Prediction:
     """Predicted step; ``quick`` uses the closed form instead of the simulator (for pruning)."""
     split, V, p = stage_layers(m, plan), plan.pp * plan.virtual_stages, plan.pp
-    act = plan.mb_size * m.seq_len * m.d_model * c.dtype_bytes / (plan.tp if plan.sequence_parallel else 1)
+    act = (plan.mb_size * m.seq_len // plan.cp * m.d_model * c.dtype_bytes
+           / (plan.tp if plan.sequence_parallel else 1))
     busy_ranks = float(plan.world)
     slow = c.contention(busy_ranks)
     for _ in range(2 if c.cores else 1):  # CPU: re-estimate the busy ranks once

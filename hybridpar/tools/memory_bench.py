@@ -9,6 +9,10 @@ tracked bytes of rank 0 (parameters, gradients, optimizer state, peak saved acti
 what the math says, plus the pipeline bubble of 1F1B vs interleaved (simulated on the real
 schedules, and measured from the runtime's compute time).
 
+With ``--cps``: the Llama at a long sequence (``--seq-len``, default 4096) at each context-
+parallel degree, one step each: every rank's peak saved activations against the planner's
+prediction and the 1/cp expectation, and which degrees fit an activation budget (``--budget-mib``).
+
 With ``--layouts``: one model (e.g. the ResNet on synthetic high-resolution images) at each
 layout, one training step, and every rank's peak saved activations and parameters: how the
 per-rank memory falls with tp (channels split) and pp (layers split; under 1F1B the first
@@ -100,6 +104,45 @@ def layouts_table(base: Config, layouts: list[tuple[int, int, int]]) -> None:
               + " ".join(f"{stages[k] / mib:.1f}" for k in sorted(stages)))
 
 
+def _cp_worker(cfg: Config) -> dict:
+    from ..engine.launch import setup, teardown
+    from ..engine.train import Trainer
+
+    mesh = setup(cfg)
+    tr = Trainer(cfg, mesh)
+    m = tr.train_step()
+    out = {"activations": m["mem"]["activations"], "loss": m["loss"], "step_time_s": m["step_time_s"]}
+    teardown()
+    return out
+
+
+def cp_table(base: Config, cps: list[int], budget_mib: float) -> None:
+    """Peak saved activations per rank at each cp degree: measured, the planner's prediction
+    (``planner.costs.memory``, plus the rotary tables it leaves out), and 1/cp of cp=1."""
+    from ..planner.cluster import load_cluster
+    from ..planner.costs import Plan, memory
+
+    mib, first = 2 ** 20, None
+    m, p = base.model, base.parallel
+    print(f"llama {m.n_layers} layers, d_model {m.d_model}, heads {m.n_heads}/{m.n_kv_heads} kv, "
+          f"seq_len {m.seq_len}, {base.train.global_batch} sequence(s) per step, "
+          f"{p.cp_attention} attention; MiB per rank; budget {budget_mib:g} MiB")
+    print(f"{'cp':>3} {'measured max':>13} {'min':>8} {'planner':>8} {'error':>7} {'vs cp=1':>8} "
+          f"{'1/cp':>6} {'fits':>5} {'loss':>8} {'step s':>7}")
+    for cp in cps:
+        cfg = replace(base, parallel=replace(p, cp=cp))
+        res = spawn(_cp_worker, cp * p.dp, cfg)
+        acts = [r["activations"] for r in res.values()]
+        plan = Plan(p.dp, 1, 1, p.microbatches, base.train.global_batch // (p.dp * p.microbatches), cp=cp)
+        pred = memory(m, plan, load_cluster("cpu"))["activations"] + 2 * m.seq_len // cp * m.head_dim * 4
+        first = first or max(acts)
+        r0 = res[0]
+        print(f"{cp:3d} {max(acts) / mib:13.2f} {min(acts) / mib:8.2f} {pred / mib:8.2f} "
+              f"{(max(acts) - pred) / pred:+7.1%} {max(acts) / first:8.3f} {1 / cp:6.3f} "
+              f"{'yes' if max(acts) <= budget_mib * mib else 'NO':>5} {r0['loss']:8.4f} "
+              f"{r0['step_time_s']:7.2f}")
+
+
 def expected(cfg: Config, r: dict) -> dict[str, str]:
     m, p, t = cfg.model, cfg.parallel, cfg.train
     rows = t.global_batch // (p.dp * p.microbatches)
@@ -128,8 +171,26 @@ def main(argv=None) -> None:
     ap.add_argument("--image-size", type=int, default=256, help="layouts mode: synthetic image size")
     ap.add_argument("--global-batch", type=int, default=8)
     ap.add_argument("--layouts", nargs="*", help="e.g. 1x1x1 1x1x2 1x2x1: the per-rank table instead")
+    ap.add_argument("--cps", nargs="*", type=int, help="e.g. 1 2 4: the context-parallel table")
+    ap.add_argument("--seq-len", type=int, default=4096, help="cps mode: tokens per sequence")
+    ap.add_argument("--budget-mib", type=float, default=0.0,
+                    help="cps mode: activation budget per rank (default: half of cp=1's need)")
     ap.add_argument("--pp-split", default="", help="layouts mode: blocks per stage, e.g. 2,6 (all pp>1 layouts)")
     a = ap.parse_args(argv)
+    if a.cps:
+        base = Config()
+        base = replace(base, model=replace(base.model, n_layers=2, d_model=64, n_heads=4, n_kv_heads=2,
+                                           d_ff=128, seq_len=a.seq_len),
+                       parallel=replace(base.parallel, dp=1, microbatches=1),
+                       train=replace(base.train, steps=1, eval_every=0, progress=False, global_batch=1,
+                                     threads_per_rank=1, summary=False))
+        if not a.budget_mib:
+            from ..planner.cluster import load_cluster
+            from ..planner.costs import Plan, memory
+            need = memory(base.model, Plan(1, 1, 1, 1, 1), load_cluster("cpu"))["activations"]
+            a.budget_mib = need / 2 / 2 ** 20
+        cp_table(base, a.cps, a.budget_mib)
+        return
     if a.layouts:
         base = Config()
         base = replace(base, model=replace(base.model, name=a.model, image_size=a.image_size,
