@@ -56,6 +56,10 @@ CASES = {
     "bf16-2x2x2": (mk(2, 2, 2, precision="bf16"), "bf16"),
     "bf16-all-on-2x2x2": (mk(2, 2, 2, precision="bf16", **ALL_ON), "bf16"),
     "fp16-2x2x2": (mk(2, 2, 2, precision="fp16"), "fp16"),
+    # context parallelism under bf16 autocast: the ring's softmax and merges run in fp32 on
+    # bf16 q, k, v (the single process: SDPA under autocast), so bf16 rules apply
+    "bf16-cp2-2x2x1": (mk(2, 2, 1, cp=2, precision="bf16"), "bf16"),
+    "bf16-cp2-all-on-1x2x2": (mk(1, 2, 2, cp=2, precision="bf16", **ALL_ON), "bf16"),
     # fp32 compute, gradients rounded to bf16 for the dp reduction: bf16 rules apply
     "bf16-grad-reduce-4x1x2": (mk(4, 1, 2, grad_reduce_dtype="bf16"), "bf16"),
 }
