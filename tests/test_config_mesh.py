@@ -45,6 +45,12 @@ def test_toml_wrong_type_is_refused(tmp_path):
     (["--train.steps=-1"], "train.steps=-1 must not be negative"),
     (["--parallel.order=tp-dp"], "parallel.order='tp-dp' must name dp, tp and pp once each"),
     (["--parallel.pp=2", "--parallel.pp_split=5,2"], "summing to n_layers=6"),
+    (["--parallel.cp=3"], "parallel.cp=3 cuts each sequence into 2*cp = 6 equal chunks: "
+                          "model.seq_len=128 must be a multiple of 6"),
+    (["--parallel.cp=2", "--model.name=vit"], "model.name=vit has no context-parallel support, use cp=1"),
+    (["--parallel.cp=2", "--parallel.tp=4", "--parallel.sequence_parallel=true", "--model.seq_len=12"],
+     "parallel.sequence_parallel splits each cp rank's 6 tokens over tp=4, which must divide them"),
+    (["--parallel.order=tp-cp-dp"], "must name dp, tp and pp once each (and cp, or cp goes right after tp)"),
 ])
 def test_validation_messages(overrides, words):
     with pytest.raises(ConfigError) as e:
@@ -56,6 +62,33 @@ def test_validation_messages(overrides, words):
 def test_world_size_mismatch_message():
     with pytest.raises(ConfigError, match="launcher started 4 processes but dp\\*tp\\*pp = 2\\*1\\*1 = 2"):
         validate(Config(), world_size=4)
+
+
+def test_world_size_mismatch_names_cp_when_used():
+    c = load_config(None, ["--parallel.cp=2"])
+    with pytest.raises(ConfigError, match=r"dp\*cp\*tp\*pp = 2\*2\*1\*1 = 4; .* change "
+                                          r"--dp/--cp/--tp/--pp so their product is 2"):
+        validate(c, world_size=2)
+
+
+@pytest.mark.parametrize("order", [("tp", "cp", "dp", "pp"), ("dp", "tp", "pp"), ("cp", "pp", "dp", "tp")])
+def test_layout_with_cp_roundtrip_and_groups(order):
+    """Four axes: every rank has unique coordinates, each axis's groups partition the ranks,
+    and the dcp groups (gradient reduction) are the dp x cp ranks of one (tp, pp) position."""
+    lay = Layout(dp=2, tp=2, pp=2, order=order, cp=2)
+    assert "cp" in lay.order and lay.world_size == 16
+    assert len({tuple(sorted(lay.coords(r).items())) for r in range(16)}) == 16
+    for r in range(16):
+        assert lay.rank_of(**lay.coords(r)) == r
+    for axis in ("dp", "cp", "tp", "pp", "dcp"):
+        groups = lay.group_ranks(axis)
+        assert sorted(sum(groups, [])) == list(range(16))
+        keep = ("tp", "pp") if axis == "dcp" else tuple(a for a in ("dp", "cp", "tp", "pp") if a != axis)
+        for g in groups:
+            assert len({tuple(lay.coords(r)[a] for a in keep) for r in g}) == 1
+            assert len(g) == (4 if axis == "dcp" else 2)
+    if order == ("dp", "tp", "pp"):  # cp placed right after tp
+        assert lay.order == ("dp", "tp", "cp", "pp")
 
 
 def test_balanced_and_uneven_pipeline_split():
