@@ -173,14 +173,14 @@ def injected(bug: str | None):
         setattr(target, name, saved)
 
 
-def run_case(cfg: Config, *, dataset: Dataset, bug: str | None = None) -> dict:
+def run_case(cfg: Config, *, dataset: Dataset, bug: str | None = None, mesh=None) -> dict:
     """Train ``cfg`` on this rank (inside an initialised world, or alone); return this rank's
-    losses, its gradients after step 1 and its parameters after training, as local shards."""
-    p = cfg.parallel
-    layout = Layout.of(p)
-    device = torch.device("cpu")
-    mesh = (build_mesh(layout, device, embed_group=bool(spec_for(cfg.model).tied))
-            if layout.world_size > 1 else single_mesh(device))
+    losses, its gradients after step 1 and its parameters after training, as local shards (on
+    the CPU). ``mesh``: where to train (default: this world's ranks on the CPU)."""
+    if mesh is None:
+        layout, device = Layout.of(cfg.parallel), torch.device("cpu")
+        mesh = (build_mesh(layout, device, embed_group=bool(spec_for(cfg.model).tied))
+                if layout.world_size > 1 else single_mesh(device))
     grads = {}
     pm_ref = {}
 
