@@ -73,17 +73,28 @@ def _per_rank(value: float, mesh: ParallelMesh, what: str) -> list[float]:
 
 
 def _local_rows(step: int, cfg: Config, mesh: ParallelMesh, dataset, split: str = "train",
-                shard=None):
+                shard=None, need: tuple[bool, bool] = (True, True)):
     """This dp rank's rows of the layout-independent global batch, as micro-batches (micro-batch
     k = the same rows of the global batch on every layout); under cp (``shard``), only this cp
-    rank's tokens of each row, inputs and targets alike."""
+    rank's tokens of each row, inputs and targets alike. ``need``: (inputs, targets) moved to
+    the device, the others left None (the first pipeline stage reads only the inputs, the last
+    only the targets)."""
     t = cfg.train
     batch = dataset.batch(split, step, seed=t.seed, global_batch_size=t.global_batch,
                           seq_len=cfg.model.seq_len)
     mbs = data_mod.local_microbatches(batch, mesh.dp_rank, mesh.layout.dp, cfg.parallel.microbatches)
     if shard is not None:
         mbs = [(shard.take(x), shard.take(y)) for x, y in mbs]
-    return [x.to(mesh.device) for x, _ in mbs], [y.to(mesh.device) for _, y in mbs]
+    return ([_to_device(x, mesh.device) if need[0] else None for x, _ in mbs],
+            [_to_device(y, mesh.device) if need[1] else None for _, y in mbs])
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A batch tensor onto the device: on a GPU from pinned memory and asynchronously (the
+    copy overlaps the previous micro-batch's kernels instead of stalling the host)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _counted_targets(step: int, cfg: Config, dataset, split: str = "train") -> int:
@@ -127,6 +138,7 @@ class Trainer:
         self.actions, self.eval_actions = train_lists[mesh.pp_rank], eval_lists[mesh.pp_rank]
         # what crosses each pipeline boundary, from a meta-device forward of one micro-batch
         self.shard = self.pm.sequence_shard  # cp > 1: which tokens of each sequence are ours
+        self.need = (self.pm.is_first, self.pm.is_last)  # inputs to stage 0, targets to the last
         example = _local_rows(0, cfg, mesh, self.dataset, shard=self.shard)[0][0]
         boundaries = infer_boundaries(self.pm.spec.build, self.pm.stage_units, example,
                                       seq_shards=p.tp if p.sequence_parallel else 1)
@@ -166,7 +178,7 @@ class Trainer:
         t0 = time.perf_counter()
         activity.begin_step(self.step + 1)
         activity.mark("data")
-        xs, ys = _local_rows(self.step, cfg, mesh, self.dataset, shard=self.shard)
+        xs, ys = _local_rows(self.step, cfg, mesh, self.dataset, shard=self.shard, need=self.need)
         self._set_loss_norm(self.step)
         pm.grad_sync.zero_grad()
         self.meter.reset()
@@ -285,7 +297,7 @@ class Trainer:
         self.pm.module.eval()  # BatchNorm normalises by its running statistics, updates nothing
         try:
             for i in range(n):
-                xs, ys = _local_rows(i, cfg, mesh, self.dataset, "val", shard=self.shard)
+                xs, ys = _local_rows(i, cfg, mesh, self.dataset, "val", shard=self.shard, need=self.need)
                 self._set_loss_norm(i, "val")
                 st = self.runner.run(self.eval_actions, xs, ys)
                 if self.pm.is_last and mesh.tp_rank == 0:

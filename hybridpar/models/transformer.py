@@ -70,6 +70,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[None, :, None, :].to(x.dtype) + rotated * sin[None, :, None, :].to(x.dtype)
 
 
+_SDPA_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+
+
 class Attention(nn.Module):
     """Grouped-query causal attention. Head counts are read from the weight shapes (``view(-1)``),
     so the same code runs on a tensor-parallel shard holding n_heads/tp and n_kv_heads/tp heads."""
@@ -84,14 +87,15 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * hd, cfg.d_model, bias=False)
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """softmax(q k^T / sqrt(hd)) v with causal mask; (B, T, H, hd) in and out."""
-        rep = q.size(2) // k.size(2)
-        if rep > 1:  # kv head j serves query heads j*rep .. j*rep+rep-1 (as in HF repeat_kv)
-            k = k.repeat_interleave(rep, dim=2)
-            v = v.repeat_interleave(rep, dim=2)
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           is_causal=True)
-        return y.transpose(1, 2)
+        """softmax(q k^T / sqrt(hd)) v with causal mask; (B, T, H, hd) in and out. kv head j
+        serves query heads j*rep .. j*rep+rep-1 (as HF's repeat_kv), inside the kernel
+        (``enable_gqa``): no repeated copies of k and v are made or kept for backward."""
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        rep = q.size(1) // k.size(1)
+        if rep > 1 and not _SDPA_GQA:  # torch < 2.5: repeat the kv heads
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        extra = {"enable_gqa": True} if rep > 1 and _SDPA_GQA else {}
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, **extra).transpose(1, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape

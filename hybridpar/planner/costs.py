@@ -216,9 +216,10 @@ def activations(m: ModelConfig, plan: Plan, a: int, *, embed: bool, head: bool, 
     """Bytes one micro-batch's forward of a chunk keeps for backward (act. element = a bytes;
     RMSNorm computes in fp32). Per block (sizes in elements, GQA heads per tp rank):
       each of 2 norms: input, normalised, scaled (3nd) + the rsqrt (n) in fp32
-      attention: what SDPA keeps, roped q, repeated k and v, its output (which o_proj's input
-                 is a view of), and its logsumexp: 4n*e*h + n*h (RoPE keeps nothing: cos and
-                 sin need no gradient); selective: the core's inputs and output, n*e*(2h + 2g)
+      attention: what SDPA keeps, roped q, k and v of the kv heads (GQA inside the kernel, no
+                 repeated copies), its output (which o_proj's input is a view of), and its
+                 logsumexp: n*e*(2h + 2g) + n*h (RoPE keeps nothing: cos and sin need no
+                 gradient); selective: the core's inputs and output, n*e*(2h + 2g)
       MLP: w1 x, silu(w1 x), w3 x, their product: 4n*f
     recompute=full keeps only each block's input (nd); sequence parallel shards the norm parts.
     Context parallelism: n is this rank's share of the tokens (s/cp per sequence), and the ring
@@ -232,8 +233,7 @@ def activations(m: ModelConfig, plan: Plan, a: int, *, embed: bool, head: bool, 
     if plan.recompute == "full":
         per_layer = n * d * a / (t if sp else 1)
     else:
-        attn = n * e * ((2 * h + 2 * g) if plan.recompute == "selective" or plan.cp > 1
-                        else 4 * h) * a
+        attn = n * e * (2 * h + 2 * g) * a
         lse = 0 if plan.recompute == "selective" else n * h * 4
         per_layer = 2 * norm + attn + lse + 4 * n * f * a
     total = layers * per_layer
