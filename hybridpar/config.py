@@ -145,8 +145,9 @@ class TrainConfig:
     eval_batches: int = _f(4, "validation batches (of global_batch sequences)")
     metrics: str = _f("", "rank 0 writes one JSON line per step here")
     device: str = _f("auto", "cpu, cuda or auto", choices=("auto", "cpu", "cuda"))
-    precision: str = _f("fp32", "compute dtype (fp32 master weights always); fp16 uses dynamic loss scaling",
-                        choices=("fp32", "bf16", "fp16"))
+    precision: str = _f("auto", "compute dtype (fp32 master weights always); fp16 uses dynamic loss "
+                                "scaling; auto = bf16 on GPUs, fp32 on CPUs",
+                        choices=("auto", "fp32", "bf16", "fp16"))
     threads_per_rank: int = _f(0, "torch threads per rank; 0 = cores / local ranks")
     progress: bool = _f(True, "show a progress bar on rank 0")
     summary: bool = _f(True, "print what the run trains (model, layout, data, start state) on rank 0")
@@ -345,6 +346,15 @@ def bucket_bytes(grad_bytes: int, bucket_mb: float) -> int:
     if bucket_mb > 0:
         return int(bucket_mb * 2**20)
     return int(min(25 * 2**20, max(2**20, -(-grad_bytes // 8))))
+
+
+def precision_of(t: "TrainConfig", device) -> str:
+    """The compute dtype a run uses on ``device``: ``auto`` is bf16 autocast on a GPU (IEEE fp32
+    matmuls run an order of magnitude slower there) and fp32 on a CPU (where bf16 matmuls are
+    emulated and slower)."""
+    if t.precision != "auto":
+        return t.precision
+    return "bf16" if getattr(device, "type", str(device)) == "cuda" else "fp32"
 
 
 def validate(cfg: Config, world_size: int | None = None) -> None:

@@ -31,6 +31,7 @@ def tiny_config(*, dp=1, tp=1, pp=1, schedule="1f1b", microbatches=4, steps=5, o
                                 bucket_mb=0.01),  # tiny buckets: several per rank, overlap exercised
         # evaluation on, as users run it: mid-run (step 3) and at the last step
         train=TrainConfig(steps=steps, global_batch=32, lr=1e-2, warmup_steps=2, eval_every=3,
+                          precision="fp32",  # exact comparisons on any device
                           eval_batches=2, progress=False, threads_per_rank=1, seed=1234,
                           grad_clip=1.0),
         data=DataConfig())

@@ -154,3 +154,18 @@ def test_process_group_timeout_exceeds_the_watchdog_deadline():
     for deadline in (10.0, 300.0, 1800.0):
         c = replace(cfg, reliability=replace(cfg.reliability, deadline_s=deadline))
         assert group_timeout_s(c) >= 2 * deadline + 60
+
+
+def test_auto_precision_is_bf16_on_gpus_and_fp32_on_cpus():
+    """IEEE fp32 matmuls are an order of magnitude slower than bf16 on a GPU; on a CPU bf16 is
+    emulated. An explicit choice is kept on either."""
+    import torch
+    from hybridpar.config import TrainConfig, precision_of
+
+    auto = TrainConfig()
+    assert auto.precision == "auto"
+    assert precision_of(auto, torch.device("cuda", 0)) == "bf16"
+    assert precision_of(auto, torch.device("cpu")) == "fp32"
+    for p in ("fp32", "bf16", "fp16"):
+        assert precision_of(TrainConfig(precision=p), torch.device("cuda", 0)) == p
+        assert precision_of(TrainConfig(precision=p), "cpu") == p

@@ -29,7 +29,7 @@ def startup_lines(trainer) -> list[str]:
         f", {p.microbatches} micro-batch{'es' if p.microbatches > 1 else ''}"
     extras = [x for x, on in (("ZeRO-1", p.zero1), ("sequence parallel", p.sequence_parallel),
                               (f"recompute={p.recompute}", p.recompute != "none"),
-                              (t.precision, t.precision != "fp32"),
+                              (trainer.precision, trainer.precision != "fp32"),
                               (f"{p.cp_attention} context-parallel attention, "
                                f"{cfg.model.seq_len // lay.cp} tokens of each sequence per rank",
                                lay.cp > 1)) if on]

@@ -21,7 +21,7 @@ from . import data as data_mod
 from .. import checkpoint
 from . import summary, tb, trace
 from ..parallel.amp import LossScaler
-from ..config import Config, TrainConfig
+from ..config import Config, TrainConfig, precision_of
 from ..reliability.errors import NonFiniteError, faults_for, inject
 from ..parallel.memory import ActivationMeter, peak_memory_bytes, state_bytes
 from ..parallel.mesh import ParallelMesh
@@ -142,7 +142,8 @@ class Trainer:
         example = _local_rows(0, cfg, mesh, self.dataset, shard=self.shard)[0][0]
         boundaries = infer_boundaries(self.pm.spec.build, self.pm.stage_units, example,
                                       seq_shards=p.tp if p.sequence_parallel else 1)
-        self.scaler = LossScaler() if cfg.train.precision == "fp16" else None
+        self.precision = precision_of(cfg.train, mesh.device)  # auto: bf16 on a GPU, fp32 on a CPU
+        self.scaler = LossScaler() if self.precision == "fp16" else None
         self.runner = PipelineRunner(self.pm.chunks, mesh, p.microbatches, boundaries, self._loss,
                                      eval_fn=spec.eval_metric)
         self.meter = ActivationMeter(self.pm.module.parameters())

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .batchnorm import recomputing, reset_buffers, sync_batchnorm
-from ..config import Config, bucket_bytes, pp_split
+from ..config import Config, bucket_bytes, pp_split, precision_of
 from .context_parallel import SequenceShard, apply_context_parallel
 from .data_parallel import GradSync
 from .memory import record_saved
@@ -304,7 +304,7 @@ def parallelize(cfg: Config, mesh: ParallelMesh, *, spec: ModelSpec | None = Non
                                                         for q in params.values()), p.bucket_mb),
                           zero1=p.zero1, own_bucket=tuple(_shared_across_stages(model, spec, mesh)),
                           reduce_dtype=torch.bfloat16 if p.grad_reduce_dtype == "bf16" else None)
-    amp = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.train.precision]
+    amp = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision_of(cfg.train, mesh.device)]
     chunks = [Stage(model, units, device_type=mesh.device.type, autocast_dtype=amp)
               for units in chunk_units]
     vocab_parallel = mesh.layout.tp > 1 and any(

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...engine import data as data_mod
-from ...config import Config, bucket_bytes, pp_split
+from ...config import Config, bucket_bytes, pp_split, precision_of
 from ...parallel.mesh import Layout
 from ...models.transformer import Transformer
 from ...models import spec_for
@@ -234,7 +234,7 @@ def build_native(cfg: Config, layout: Layout, rank: int, device: torch.device) -
 
     p = cfg.parallel
     if p.virtual_stages > 1 or p.zero1 or p.sequence_parallel or p.recompute != "none" \
-            or cfg.train.precision != "fp32":
+            or precision_of(cfg.train, device) != "fp32":
         raise ValueError("the native benchmark covers plain dp/tp/pp in fp32 (gpipe or 1f1b)")
     dm = DeviceMesh(device.type, layout.grid().squeeze(2), mesh_dim_names=("pp", "dp", "tp"))
     c = layout.coords(rank)
