@@ -62,13 +62,16 @@ def results(tmp_path_factory):
 @pytest.mark.parametrize("world,name", NAMES)
 def test_cp_layout_matches_single_process(results, world, name):
     cfg = CASES[world][name][0]
-    assert_parity(results[name], cached_reference(cfg))
+    errs, grad_err = assert_parity(results[name], cached_reference(cfg))
+    print(f"{name}: loss/val rel errs max {max(errs):.1e} (step 1 {errs[0]:.1e}), "
+          f"step-1 grad rel err {grad_err:.1e}")
 
 
 @pytest.mark.parametrize("world,name", BUGS)
 def test_cp_parity_check_catches_injected_bug(results, world, name):
     cfg = CASES[world][name][0]
     loss_errs, grad_err, _ = parity_errors(results[name], cached_reference(cfg))
+    print(f"{name}: loss rel errs max {max(loss_errs):.1e}, grad rel err {grad_err:.1e}")
     assert max(loss_errs) > 1e-3 or grad_err > 1e-3, (loss_errs, grad_err)
 
 
@@ -91,4 +94,5 @@ def test_planner_predicts_cp_activation_memory(results, world, name):
     rope = 2 * (m.seq_len // p.cp) * m.head_dim * 4
     for rank, mem in results[name]["mem"].items():
         got = mem["activations"] - rope
+        print(f"{name} rank {rank}: activations {got} B, planner {want:.0f} B ({got / want - 1:+.1%})")
         assert abs(got - want) <= 0.05 * want, (rank, got, want)

@@ -58,10 +58,16 @@ def native_unsupported(dp: int, pp: int, schedule: str) -> str:
     return ""
 
 
-def layout_config(base: Config, dp: int, tp: int, pp: int, schedule: str, microbatches: int) -> Config:
+def cp_layouts_for(n: int) -> list[tuple[int, int, int, str, int]]:
+    """(dp, tp, pp, schedule, cp) context-parallel layouts of n ranks: cp = n, then cp x dp."""
+    return [(n // cp, 1, 1, "1f1b", cp) for cp in range(n, 1, -1) if n % cp == 0]
+
+
+def layout_config(base: Config, dp: int, tp: int, pp: int, schedule: str, microbatches: int,
+                  cp: int = 1) -> Config:
     m = microbatches or (2 * pp if pp > 1 else 1)
     return replace(base, parallel=replace(base.parallel, dp=dp, tp=tp, pp=pp, schedule=schedule,
-                                          microbatches=m))
+                                          microbatches=m, cp=cp))
 
 
 # -- per-rank measurement --------------------------------------------------------------------
@@ -113,11 +119,13 @@ def _bench_layout(cfg: Config, dataset, a: dict) -> dict:
     device, rank = torch.device("cpu"), dist.get_rank()
     mesh = build_mesh(layout, device)
     hyb = Trainer(cfg, mesh, dataset)
-    nat = build_native(cfg, layout, rank, device)
-    sides = {"hybridpar": lambda: hyb.train_step()["loss"],
-             "native": lambda: nat.train_step(dataset.train)["loss"]}
-    params = {"hybridpar": lambda: state_tensors(list(hyb.pm.module.parameters()), hyb.opt),
-              "native": lambda: state_tensors(nat.params(), nat.opt)}
+    # no native side for cp: torch's context parallelism does not run on CPU/Gloo
+    nat = build_native(cfg, layout, rank, device) if p.cp == 1 else None
+    sides = {"hybridpar": lambda: hyb.train_step()["loss"]}
+    params = {"hybridpar": lambda: state_tensors(list(hyb.pm.module.parameters()), hyb.opt)}
+    if nat is not None:
+        sides["native"] = lambda: nat.train_step(dataset.train)["loss"]
+        params["native"] = lambda: state_tensors(nat.params(), nat.opt)
     losses = {k: [] for k in sides}
     times = {k: [] for k in sides}
     cpu = {k: [] for k in sides}
@@ -150,7 +158,7 @@ def _bench_layout(cfg: Config, dataset, a: dict) -> dict:
     if rank != 0:
         return {}
     out = {"layout": {"dp": p.dp, "tp": p.tp, "pp": p.pp, "schedule": p.schedule,
-                      "microbatches": p.microbatches}}
+                      "microbatches": p.microbatches, "cp": p.cp}}
     for side in sides:
         step_t = [max(r["times"][side][i] for r in every) for i in range(len(times[side]))]
         cpu_t = [sum(r["cpu"][side][i] for r in every) for i in range(len(times[side]))]
@@ -177,31 +185,38 @@ def _worker(cfgs: list[Config], a: dict) -> list[dict]:
             results.append(_bench_layout(cfg, dataset, a))
             if dist.get_rank() == 0:
                 lay = cfg.parallel
-                print(f"  dp={lay.dp} tp={lay.tp} pp={lay.pp} {lay.schedule}: {time.time() - t:.0f} s",
-                      flush=True)
+                print(f"  dp={lay.dp} " + (f"cp={lay.cp} " if lay.cp > 1 else "")
+                      + f"tp={lay.tp} pp={lay.pp} {lay.schedule}: {time.time() - t:.0f} s", flush=True)
         return results
     finally:
         dist.destroy_process_group()
 
 
 # -- report ----------------------------------------------------------------------------------
-def summarize(res: dict, cfg: Config, base_tps: float | None) -> dict:
+def summarize(res: dict, cfg: Config, base_tps: float | None, base_losses: list | None = None) -> dict:
+    """One layout's row. Without a native side (cp), the losses are compared with the single
+    process's (``base_losses``): the same steps from the same weights."""
     tokens = cfg.train.global_batch * cfg.model.seq_len
     row = {"layout": res["layout"]}
-    for side in ("hybridpar", "native"):
+    sides = [x for x in ("hybridpar", "native") if x in res]
+    for side in sides:
         st = res[side]["step_s"]
         med = statistics.median(st)
         row[side] = {"tokens_per_s": tokens / med, "median_s": med, "min_s": min(st), "max_s": max(st),
                      "cpu_s": statistics.median(res[side]["cpu_s"]),
                      "mem_mib": [b / MIB for b in res[side]["mem_bytes"]]}
-    h, n = res["hybridpar"]["losses"], res["native"]["losses"]
-    row["loss_max_rel_diff"] = max(abs(x - y) / max(abs(y), 1e-30) for x, y in zip(h, n))
-    row["loss_ok"] = row["loss_max_rel_diff"] <= LOSS_RTOL
+    h = res["hybridpar"]["losses"]
+    n = res["native"]["losses"] if "native" in res else base_losses
+    if n:
+        row["loss_max_rel_diff"] = max(abs(x - y) / max(abs(y), 1e-30) for x, y in zip(h, n))
+        row["loss_ok"] = row["loss_max_rel_diff"] <= LOSS_RTOL
     row["losses"] = {"hybridpar": h, "native": n}
-    row["ratio"] = row["hybridpar"]["tokens_per_s"] / row["native"]["tokens_per_s"]
-    world = res["layout"]["dp"] * res["layout"]["tp"] * res["layout"]["pp"]
+    row["ratio"] = (row["hybridpar"]["tokens_per_s"] / row["native"]["tokens_per_s"]
+                    if "native" in row else None)
+    lay = res["layout"]
+    world = lay["dp"] * lay.get("cp", 1) * lay["tp"] * lay["pp"]
     if base_tps:
-        for side in ("hybridpar", "native"):
+        for side in sides:
             sp = row[side]["tokens_per_s"] / base_tps
             row[side]["speedup"], row[side]["efficiency"] = sp, sp / world
     return row
@@ -213,14 +228,16 @@ def format_table(rows: list[dict], *, title: str) -> str:
     lines = [title, head, "-" * len(head)]
     for r in rows:
         lay = r["layout"]
-        name = _name((lay["dp"], lay["tp"], lay["pp"], lay["schedule"]))
+        name = _name((lay["dp"], lay["tp"], lay["pp"], lay["schedule"], lay.get("cp", 1)))
         name += f" {lay['schedule']} m{lay['microbatches']}" if lay["pp"] > 1 else ""
-        for side in ("hybridpar", "native"):
+        for side in [x for x in ("hybridpar", "native") if x in r]:
             s = r[side]
             sp = f"{s['speedup']:7.2f} {s['efficiency']:5.2f}" if "speedup" in s else f"{'':7s} {'':5s}"
             mem = "/".join(f"{m:.0f}" for m in s["mem_mib"])
-            tail = (f" {r['ratio']:7.2f} {'same' if r['loss_ok'] else 'DIFFER'} "
-                    f"(max rel {r['loss_max_rel_diff']:.1e})") if side == "hybridpar" else ""
+            ratio = f"{r['ratio']:7.2f}" if r["ratio"] is not None else f"{'(1 pr)':>7s}"
+            same = ("" if "loss_ok" not in r else f" {'same' if r['loss_ok'] else 'DIFFER'} "
+                    f"(max rel {r['loss_max_rel_diff']:.1e})")
+            tail = f" {ratio}{same}" if side == "hybridpar" else ""
             lines.append(f"{name if side == 'hybridpar' else '':18s} {side:9s} "
                          f"{s['tokens_per_s']:7.0f} {s['median_s']:6.3f} {s['min_s']:6.3f} "
                          f"{s['max_s']:6.3f} {s['cpu_s']:6.2f} {sp} {mem:>24s}{tail}")
@@ -242,14 +259,19 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--order", default="ab", choices=("ab", "ba", "abba"),
                     help="per round: hybridpar then native (ab), the reverse (ba), or alternating (abba)")
     ap.add_argument("--no-baseline", action="store_true", help="skip the single-process run")
+    ap.add_argument("--cp", action="store_true",
+                    help="also the context-parallel layouts of each rank count (cp = n, cp x dp): "
+                         "hybridpar against the single process only (torch's context parallelism "
+                         "does not run on CPU/Gloo)")
     ap.add_argument("--config", help="TOML file for the model/train sections")
     ap.add_argument("--out", default="", help="write all numbers (and losses) to this JSON file")
     return ap
 
 
 def _name(lay) -> str:
-    dp, tp, pp, _ = lay
-    return "x".join(f"{a}{n}" for a, n in (("dp", dp), ("tp", tp), ("pp", pp)) if n > 1) or "single"
+    dp, tp, pp, _, *cp = lay
+    axes = (("dp", dp), ("cp", cp[0] if cp else 1), ("tp", tp), ("pp", pp))
+    return "x".join(f"{a}{n}" for a, n in axes if n > 1) or "single"
 
 
 def main(argv: list[str]) -> int:
@@ -276,21 +298,23 @@ def main(argv: list[str]) -> int:
     print(f"model: {m.n_layers} layers, d_model {m.d_model}, seq {m.seq_len}, global batch "
           f"{base.train.global_batch}; fp32; {a.threads} thread(s) per rank; {os.cpu_count()} cores; "
           f"{a.warmup} warm-up + 1 memory + {a.repeats}x{a.steps} timed steps per side", flush=True)
-    base_tps, report = None, {"config": base.to_dict(), "runs": {}}
+    base_tps, base_losses, report = None, None, {"config": base.to_dict(), "runs": {}}
     if not a.no_baseline:
         cfg = layout_config(base, 1, 1, 1, "1f1b", a.microbatches)
         print("single process:", flush=True)
         res = spawn(_worker, 1, [cfg], knobs)[0][0]
         row = summarize(res, cfg, None)
-        base_tps = row["hybridpar"]["tokens_per_s"]
+        base_tps, base_losses = row["hybridpar"]["tokens_per_s"], row["losses"]["hybridpar"]
         report["runs"]["1"] = [row]
         print(format_table([row], title="single-process baseline (speedup = tok/s / hybridpar's here)"))
     want = {x.strip() for x in a.layouts.split(",") if x.strip()}
     for n in a.ranks:
         lays = [lay for lay in layouts_for(n, a.schedules.split(",")) if not want or _name(lay) in want]
-        if "gpipe" in a.schedules and any(dp > 1 and pp > 1 for dp, _, pp, _ in lays):
+        if a.cp:
+            lays += [lay for lay in cp_layouts_for(n) if not want or _name(lay) in want]
+        if "gpipe" in a.schedules and any(dp > 1 and pp > 1 for dp, _, pp, *_ in lays):
             print(f"skipped dp x pp with gpipe: {native_unsupported(2, 2, 'gpipe')}")
-        cfgs = [layout_config(base, *lay, a.microbatches) for lay in lays]
+        cfgs = [layout_config(base, *lay[:4], a.microbatches, *lay[4:]) for lay in lays]
         for cfg in cfgs:
             validate(cfg)
         if not cfgs:
@@ -298,7 +322,7 @@ def main(argv: list[str]) -> int:
         print(f"{n} ranks: {', '.join(_name(x) + ('-' + x[3] if x[2] > 1 else '') for x in lays)}",
               flush=True)
         results = spawn(_worker, n, cfgs, knobs)[0]
-        rows = [summarize(r, c, base_tps) for r, c in zip(results, cfgs)]
+        rows = [summarize(r, c, base_tps, base_losses) for r, c in zip(results, cfgs)]
         report["runs"][str(n)] = rows
         print(format_table(rows, title=f"\n{n} ranks (tok/s from the median step; hyb/nat = "
                                        f"hybridpar tok/s / native tok/s, > 1 = hybridpar faster)"),
