@@ -521,9 +521,21 @@ def _validate_cp(m: ModelConfig, p: ParallelConfig) -> None:
     and 2cp-1-r, equal causal work), and sequence parallelism splits a rank's share over tp."""
     if m.spec:
         return  # a user's model: its spec says whether it supports cp (checked when loaded)
+    if m.name == "vit":
+        tokens = (m.image_size // m.patch_size) ** 2 + 1
+        if p.pp > 1:
+            raise ConfigError(f"parallel.cp={p.cp} with model.name=vit needs parallel.pp=1 (its "
+                              f"tokens are made inside the first stage, so the pipeline "
+                              f"boundaries cannot be sized before it runs); use cp with dp and tp")
+        per = -(-tokens // p.cp)
+        if p.sequence_parallel and p.tp > 1 and per % p.tp:
+            raise ConfigError(f"parallel.sequence_parallel splits each cp rank's {per} tokens "
+                              f"(of {tokens}, padded to a multiple of cp) over tp={p.tp}, which "
+                              f"must divide them")
+        return
     if m.name != "llama":
         raise ConfigError(f"parallel.cp={p.cp}: context parallelism splits token sequences for "
-                          f"models built on the library's causal attention (llama); "
+                          f"models built on the library's attention (llama, vit); "
                           f"model.name={m.name} has no context-parallel support, use cp=1")
     if m.seq_len % (2 * p.cp):
         raise ConfigError(f"parallel.cp={p.cp} cuts each sequence into 2*cp = {2 * p.cp} equal "

@@ -1,6 +1,7 @@
 """Context parallelism in training: every (dp, cp, tp, pp) layout trains the same run as one
 process (the engine's parity tolerances, see tests/test_parity.py), with both attention
-methods, and with everything else on at 8 ranks.
+methods, with everything else on at 8 ranks, for the Llama (causal, zigzag) and the ViT
+(non-causal, padded tokens, the class token on one rank).
 
 Why the same tolerances hold: cp changes only the order of additions inside attention (the
 softmax of a query row is built from per-rank blocks merged by their log-sum-exp, in float32,
@@ -14,7 +15,7 @@ from dataclasses import replace
 
 import pytest
 
-from hybridpar.testing import cached_reference, run_cases, tiny_config
+from hybridpar.testing import cached_reference, run_cases, tiny_config, tiny_vit_config
 
 from test_parity import assert_parity, parity_errors
 
@@ -22,6 +23,13 @@ from test_parity import assert_parity, parity_errors
 def _cfg(dp=1, cp=2, tp=1, pp=1, *, method="ring", **kw):
     c = tiny_config(dp=dp, cp=cp, tp=tp, pp=pp, **kw)
     return replace(c, parallel=replace(c.parallel, cp_attention=method))
+
+
+def _vit(dp=1, cp=2, tp=1, *, method="ring"):
+    """The ViT: 17 tokens (16 patches + the class token), padded to a multiple of cp, pads
+    masked; the classifier reads the class token from cp rank 0."""
+    c = tiny_vit_config(dp=dp, tp=tp)
+    return replace(c, parallel=replace(c.parallel, cp=cp, cp_attention=method))
 
 
 def _everything(cfg):
@@ -35,14 +43,18 @@ CASES = {
     2: {"1x2x1x1-ring": (_cfg(), None),
         "1x2x1x1-allgather": (_cfg(method="allgather"), None),
         "bug-cp_local_positions": (_cfg(), "cp_local_positions"),
-        "bug-cp_grads_over_dp_only": (_cfg(), "cp_grads_over_dp_only")},
+        "bug-cp_grads_over_dp_only": (_cfg(), "cp_grads_over_dp_only"),
+        "vit-1x2x1x1-ring": (_vit(), None)},
     4: {"1x4x1x1-ring": (_cfg(cp=4), None),
         "1x4x1x1-allgather": (_cfg(cp=4, method="allgather"), None),
         "2x2x1x1-ring": (_cfg(dp=2), None),
         "1x2x2x1-ring": (_cfg(tp=2), None),
-        "1x2x1x2-ring": (_cfg(pp=2), None)},
+        "1x2x1x2-ring": (_cfg(pp=2), None),
+        "vit-1x4x1x1-ring": (_vit(cp=4), None),
+        "vit-2x2x1x1-allgather": (_vit(dp=2, method="allgather"), None)},
     8: {"2x2x2x1-ring": (_cfg(dp=2, tp=2), None),
         "1x2x2x2-everything": (_everything(_cfg(tp=2, pp=2)), None),
+        "vit-2x2x2x1-ring": (_vit(dp=2, tp=2), None),
         "2x2x1x2-allgather-zero1": (replace(_cfg(dp=2, pp=2, method="allgather"),
                                             parallel=replace(_cfg(dp=2, pp=2, method="allgather").parallel,
                                                              zero1=True)), None)},

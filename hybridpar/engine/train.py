@@ -137,7 +137,8 @@ class Trainer:
         check_schedule(eval_lists, P, v, backward=False, what="evaluation schedule")
         self.actions, self.eval_actions = train_lists[mesh.pp_rank], eval_lists[mesh.pp_rank]
         # what crosses each pipeline boundary, from a meta-device forward of one micro-batch
-        self.shard = self.pm.sequence_shard  # cp > 1: which tokens of each sequence are ours
+        # cp > 1: which tokens of each sequence are ours (unless the model selects them itself)
+        self.shard = self.pm.sequence_shard if self.pm.spec.cp_split_batch else None
         self.need = (self.pm.is_first, self.pm.is_last)  # inputs to stage 0, targets to the last
         example = _local_rows(0, cfg, mesh, self.dataset, shard=self.shard)[0][0]
         boundaries = infer_boundaries(self.pm.spec.build, self.pm.stage_units, example,

@@ -32,7 +32,9 @@ engine. A ``ModelSpec`` describes it as data:
 * ``context_parallel(model, shard)``: makes the model run on a shard of each sequence (cp > 1):
   attend with ``shard.attend(q, k, v, causal=...)`` and use ``shard.positions`` (the global
   positions of the local tokens) wherever positions matter. Inputs and targets are then split
-  along dim 1 by the engine; None: the model does not support cp.
+  along dim 1 by the engine (``shard.take``), unless ``cp_split_batch`` is False: then the
+  model makes its tokens itself (a ViT's patch embedding) and selects its share with the
+  shard (``padded``, ``take``, ``first_token``). None: the model does not support cp.
 """
 from __future__ import annotations
 
@@ -64,6 +66,7 @@ class ModelSpec:
     data: str | Callable = "text"
     eval_metric: Callable[[object, torch.Tensor], torch.Tensor] | None = None
     context_parallel: Callable[[nn.Module, object], None] | None = None
+    cp_split_batch: bool = True
 
     def __post_init__(self):
         if not self.blocks:

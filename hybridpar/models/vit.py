@@ -22,10 +22,12 @@ class PatchEmbed(nn.Module):
         self.proj = nn.Conv2d(cfg.channels, cfg.d_model, cfg.patch_size, stride=cfg.patch_size)
         self.cls = nn.Parameter(torch.zeros(1, 1, cfg.d_model))
         self.pos = nn.Parameter(torch.zeros(1, n + 1, cfg.d_model))
+        self.shard = None  # context parallelism: keep only this rank's tokens (shard_tokens)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         x = self.proj(images).flatten(2).transpose(1, 2)  # (B, N, d)
-        return torch.cat([self.cls.expand(x.size(0), -1, -1), x], dim=1) + self.pos
+        x = torch.cat([self.cls.expand(x.size(0), -1, -1), x], dim=1) + self.pos
+        return x if self.shard is None else self.shard.take(self.shard.pad(x))
 
 
 class Attention(nn.Module):
@@ -38,11 +40,15 @@ class Attention(nn.Module):
         self.q, self.k, self.v = (nn.Linear(cfg.d_model, cfg.d_model) for _ in range(3))
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
 
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """softmax(q k^T / sqrt(hd)) v over every token; (B, T, H, hd) in and out."""
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return y.transpose(1, 2)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
-        q, k, v = (f(x).view(B, T, -1, self.head_dim).transpose(1, 2) for f in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v)
-        return self.proj(y.transpose(1, 2).reshape(B, T, -1))
+        q, k, v = (f(x).view(B, T, -1, self.head_dim) for f in (self.q, self.k, self.v))
+        return self.proj(self.core(q, k, v).reshape(B, T, -1))
 
 
 class MLP(nn.Module):
@@ -71,9 +77,10 @@ class ClassToken(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.fc = nn.Linear(cfg.d_model, cfg.n_classes)
+        self.shard = None  # context parallelism: the class token comes from cp rank 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(x[:, 0])
+        return self.fc(x[:, 0] if self.shard is None else self.shard.first_token(x))
 
 
 class ViT(nn.Module):
@@ -89,6 +96,28 @@ class ViT(nn.Module):
         for block in self.blocks.values():
             x = block(x)
         return self.head(self.norm(x))
+
+
+def shard_tokens(model: nn.Module, shard, n_tokens: int) -> None:
+    """Context parallelism (``ModelSpec.context_parallel``): every cp rank embeds the whole image
+    (cheap) and keeps its contiguous block of the tokens, padded to a multiple of cp; attention
+    runs across the cp group with the pads masked (``SequenceShard.padded``); the classifier
+    reads the class token from cp rank 0. Each cp rank then computes the same loss, and the
+    average over the dp x cp replicas makes the gradient exact (the class token's owner receives
+    the sum of every rank's gradient, cp times the true one, divided by cp in the average)."""
+    tokens = shard.padded(n_tokens)
+    for unit in (model.patch_embed, model.head):
+        if unit is not None:  # a pipeline stage holds only some units
+            unit.shard = tokens
+    for m in model.modules():
+        if isinstance(m, Attention):
+            m.core = _masked(tokens)
+
+
+def _masked(shard):
+    def core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return shard.attend(q, k, v, causal=True)  # causal by mask position: the pads hidden
+    return core
 
 
 TP_PLAN = {
@@ -132,4 +161,6 @@ def vit_spec(cfg: ModelConfig) -> ModelSpec:
         flops_per_sample=3 * (2 * matmul + attn) + 6 * d * cfg.n_classes,
         data="digits",
         eval_metric=accuracy,
+        context_parallel=lambda model, shard: shard_tokens(model, shard, tokens),
+        cp_split_batch=False,
     )

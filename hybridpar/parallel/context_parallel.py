@@ -369,26 +369,58 @@ class SequenceShard:
     """This rank's share of every sequence under cp, as handed to a model's
     ``ModelSpec.context_parallel`` hook: the model takes the global ``positions`` of its local
     tokens (e.g. for rotary embeddings) and attends with ``attend`` instead of its own
-    attention. Inputs and targets are split along dim 1 with ``take`` before the model runs."""
+    attention. ``index``: which tokens of the sequence are local (``take`` selects them along
+    dim 1; the engine does it for the inputs and targets of a token model). ``positions``
+    decide the mask: key j is visible to query i iff positions_j <= positions_i."""
 
-    positions: torch.Tensor   # (T/cp,) global positions of this rank's tokens (zigzag)
+    index: torch.Tensor          # (T/cp,) the local tokens' indices in the sequence
+    positions: torch.Tensor      # (T/cp,) their positions for the mask (and rotary embeddings)
     all_positions: torch.Tensor  # (cp, T/cp): every cp rank's positions
-    group: object             # the cp process group
+    group: object                # the cp process group
+    rank: int
+    cp: int
     method: str = "ring"
+    n_tokens: int = 0            # the sequence's real length (``padded``: before padding)
 
     @classmethod
     def zigzag(cls, seq_len: int, group, rank: int, cp: int, method: str, device) -> "SequenceShard":
+        """Causal token sequences: chunks r and 2cp-1-r of 2cp (equal causal work per rank)."""
         every = torch.stack([zigzag_positions(seq_len, cp, r) for r in range(cp)]).to(device)
-        return cls(every[rank], every, group, method)
+        return cls(every[rank], every[rank], every, group, rank, cp, method, seq_len)
+
+    def padded(self, n_tokens: int) -> "SequenceShard":
+        """Non-causal attention over ``n_tokens`` (any count, e.g. patches + a class token):
+        padded to a multiple of cp, rank r holds the r-th contiguous block. Every real token
+        gets mask position n and every pad n + 1, so under the causal rule a real query sees
+        all real keys and no pad (a pad query sees everything; its output is discarded)."""
+        per = -(-n_tokens // self.cp)
+        idx = torch.arange(self.cp * per, device=self.index.device).view(self.cp, per)
+        pos = torch.where(idx < n_tokens, n_tokens, n_tokens + 1)
+        return SequenceShard(idx[self.rank], pos[self.rank], pos, self.group, self.rank, self.cp,
+                             self.method, n_tokens)
+
+    @property
+    def padded_len(self) -> int:
+        return self.cp * self.index.numel()
 
     def take(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's tokens of a (B, T, ...) batch tensor."""
-        return x[:, self.positions.to(x.device)]
+        """This rank's tokens of a (B, T, ...) tensor (T = the padded length for ``padded``)."""
+        return x[:, self.index.to(x.device)]
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, n_tokens, d) -> (B, padded length, d), zeros appended."""
+        return torch.nn.functional.pad(x, (0, 0, 0, self.padded_len - x.size(1)))
+
+    def first_token(self, x: torch.Tensor) -> torch.Tensor:
+        """Token 0 of the sequence (B, d) on every cp rank, from the rank that holds it (cp rank 0
+        under ``padded``); backward sums every rank's gradient into its owner."""
+        return _GatherSeq.apply(x[:, :1].contiguous(), 1, self.group)[:, 0]
 
     def attend(self, q, k, v, *, causal: bool = True, scale: float | None = None) -> torch.Tensor:
-        """Attention of the local queries to the whole sequence (q (B,T,H,hd), k/v (B,T,Hkv,hd)).
-        Outside autocast: the online softmax and its merges run in float32 whatever the
-        training precision (the result comes back in q's dtype)."""
+        """Attention of the local queries to the whole sequence (q (B,T,H,hd), k/v (B,T,Hkv,hd)),
+        masked by ``positions`` when ``causal``. Outside autocast: the online softmax and its
+        merges run in float32 whatever the training precision (the result comes back in q's
+        dtype)."""
         with torch.autocast(q.device.type, enabled=False):
             return context_attention(q, k, v, self.positions, self.group, causal=causal,
                                      method=self.method, scale=scale, all_pos=self.all_positions)
@@ -404,6 +436,10 @@ def apply_context_parallel(model, spec, mesh, *, seq_len: int, method: str = "ri
         from ..config import ConfigError
         raise ConfigError(f"parallel.cp={cp}: model {spec.name!r} does not support context "
                           f"parallelism (its ModelSpec has no context_parallel hook); use cp=1")
-    shard = SequenceShard.zigzag(seq_len, mesh.group("cp"), mesh.cp_rank, cp, method, mesh.device)
+    if spec.cp_split_batch:
+        shard = SequenceShard.zigzag(seq_len, mesh.group("cp"), mesh.cp_rank, cp, method, mesh.device)
+    else:  # the model makes its tokens and selects its share itself (``padded``)
+        none = torch.empty(0, dtype=torch.long, device=mesh.device)
+        shard = SequenceShard(none, none, none.view(cp, 0), mesh.group("cp"), mesh.cp_rank, cp, method)
     spec.context_parallel(model, shard)
     return shard
