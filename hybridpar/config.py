@@ -523,10 +523,6 @@ def _validate_cp(m: ModelConfig, p: ParallelConfig) -> None:
         return  # a user's model: its spec says whether it supports cp (checked when loaded)
     if m.name == "vit":
         tokens = (m.image_size // m.patch_size) ** 2 + 1
-        if p.pp > 1:
-            raise ConfigError(f"parallel.cp={p.cp} with model.name=vit needs parallel.pp=1 (its "
-                              f"tokens are made inside the first stage, so the pipeline "
-                              f"boundaries cannot be sized before it runs); use cp with dp and tp")
         per = -(-tokens // p.cp)
         if p.sequence_parallel and p.tp > 1 and per % p.tp:
             raise ConfigError(f"parallel.sequence_parallel splits each cp rank's {per} tokens "

@@ -48,7 +48,6 @@ def test_toml_wrong_type_is_refused(tmp_path):
     (["--parallel.cp=3"], "parallel.cp=3 cuts each sequence into 2*cp = 6 equal chunks: "
                           "model.seq_len=128 must be a multiple of 6"),
     (["--parallel.cp=2", "--model.name=resnet"], "model.name=resnet has no context-parallel support, use cp=1"),
-    (["--parallel.cp=2", "--model.name=vit", "--parallel.pp=2"], "with model.name=vit needs parallel.pp=1"),
     (["--parallel.cp=2", "--parallel.tp=4", "--parallel.sequence_parallel=true", "--model.seq_len=12"],
      "parallel.sequence_parallel splits each cp rank's 6 tokens over tp=4, which must divide them"),
     (["--parallel.order=tp-cp-dp"], "must name dp, tp and pp once each (and cp, or cp goes right after tp)"),

@@ -25,10 +25,10 @@ def _cfg(dp=1, cp=2, tp=1, pp=1, *, method="ring", **kw):
     return replace(c, parallel=replace(c.parallel, cp_attention=method))
 
 
-def _vit(dp=1, cp=2, tp=1, *, method="ring"):
+def _vit(dp=1, cp=2, tp=1, pp=1, *, method="ring"):
     """The ViT: 17 tokens (16 patches + the class token), padded to a multiple of cp, pads
     masked; the classifier reads the class token from cp rank 0."""
-    c = tiny_vit_config(dp=dp, tp=tp)
+    c = tiny_vit_config(dp=dp, tp=tp, pp=pp)
     return replace(c, parallel=replace(c.parallel, cp=cp, cp_attention=method))
 
 
@@ -51,7 +51,8 @@ CASES = {
         "1x2x2x1-ring": (_cfg(tp=2), None),
         "1x2x1x2-ring": (_cfg(pp=2), None),
         "vit-1x4x1x1-ring": (_vit(cp=4), None),
-        "vit-2x2x1x1-allgather": (_vit(dp=2, method="allgather"), None)},
+        "vit-2x2x1x1-allgather": (_vit(dp=2, method="allgather"), None),
+        "vit-1x2x1x2-ring": (_vit(pp=2), None)},
     8: {"2x2x2x1-ring": (_cfg(dp=2, tp=2), None),
         "1x2x2x2-everything": (_everything(_cfg(tp=2, pp=2)), None),
         "vit-2x2x2x1-ring": (_vit(dp=2, tp=2), None),

@@ -31,7 +31,8 @@ def startup_lines(trainer) -> list[str]:
                               (f"recompute={p.recompute}", p.recompute != "none"),
                               (trainer.precision, trainer.precision != "fp32"),
                               (f"{p.cp_attention} context-parallel attention, "
-                               f"{cfg.model.seq_len // lay.cp} tokens of each sequence per rank",
+                               + (f"{cfg.model.seq_len // lay.cp} tokens of each sequence per rank"
+                                  if spec.cp_split_batch else f"each sample's tokens split {lay.cp} ways"),
                                lay.cp > 1)) if on]
     lines = [f"model {spec.name}: {_human(parameter_count(spec))} parameters; "
              f"{lay.world_size} rank{'s' if lay.world_size > 1 else ''}: dp={lay.dp} "

@@ -104,6 +104,21 @@ def _counted_targets(step: int, cfg: Config, dataset, split: str = "train") -> i
     return int((batch[1] != IGNORE_INDEX).sum())
 
 
+def _sharded_build(pm: ParallelModel):
+    """The model builder for the boundaries' meta-device inference: under cp with the spec's
+    hook installed, so that a model that makes and selects its tokens itself (the ViT) crosses
+    its boundaries with this rank's share of them."""
+    spec, shard = pm.spec, pm.sequence_shard
+    if shard is None:
+        return spec.build
+
+    def build():
+        model = spec.build()
+        spec.context_parallel(model, shard)
+        return model
+    return build
+
+
 class Trainer:
     """State of one run on one rank: model piece, optimizer, schedule, runner."""
 
@@ -141,7 +156,7 @@ class Trainer:
         self.shard = self.pm.sequence_shard if self.pm.spec.cp_split_batch else None
         self.need = (self.pm.is_first, self.pm.is_last)  # inputs to stage 0, targets to the last
         example = _local_rows(0, cfg, mesh, self.dataset, shard=self.shard)[0][0]
-        boundaries = infer_boundaries(self.pm.spec.build, self.pm.stage_units, example,
+        boundaries = infer_boundaries(_sharded_build(self.pm), self.pm.stage_units, example,
                                       seq_shards=p.tp if p.sequence_parallel else 1)
         self.precision = precision_of(cfg.train, mesh.device)  # auto: bf16 on a GPU, fp32 on a CPU
         self.scaler = LossScaler() if self.precision == "fp16" else None

@@ -57,8 +57,9 @@ class Rotary:
             else:
                 if self.positions.numel() != length:
                     raise ValueError(f"{length} local tokens but {self.positions.numel()} positions")
+                n = int(self.positions.max()) + 1  # where they live (a meta forward has no values)
                 idx = self.positions.to(device)
-                cos, sin = rope_tables(int(idx.max()) + 1, self.head_dim, self.theta, device)
+                cos, sin = rope_tables(n, self.head_dim, self.theta, device)
                 self._cache[key] = cos[idx], sin[idx]
         return self._cache[key]
 

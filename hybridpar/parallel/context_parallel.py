@@ -414,6 +414,8 @@ class SequenceShard:
     def first_token(self, x: torch.Tensor) -> torch.Tensor:
         """Token 0 of the sequence (B, d) on every cp rank, from the rank that holds it (cp rank 0
         under ``padded``); backward sums every rank's gradient into its owner."""
+        if x.is_meta:  # shapes only (the pipeline boundaries' inference): no collective
+            return x[:, 0]
         return _GatherSeq.apply(x[:, :1].contiguous(), 1, self.group)[:, 0]
 
     def attend(self, q, k, v, *, causal: bool = True, scale: float | None = None) -> torch.Tensor:
@@ -421,6 +423,8 @@ class SequenceShard:
         masked by ``positions`` when ``causal``. Outside autocast: the online softmax and its
         merges run in float32 whatever the training precision (the result comes back in q's
         dtype)."""
+        if q.is_meta:  # shapes only (the pipeline boundaries' inference): no collective
+            return torch.empty_like(q)
         with torch.autocast(q.device.type, enabled=False):
             return context_attention(q, k, v, self.positions, self.group, causal=causal,
                                      method=self.method, scale=scale, all_pos=self.all_positions)
