@@ -217,6 +217,22 @@ def cases_worker(cases: list[tuple[str, Config, str | None]], out_dir: str) -> N
         dist.destroy_process_group()
 
 
+def join_world(rank: int, world: int, port: int, out: str, *, timeout_s: float | None = None) -> None:
+    """For a test rank started directly (``multiprocessing.Process``, not the launcher): its
+    stderr into ``out/stderr-rank{rank}.txt`` (read by the test when it fails), the env://
+    variables, one thread, and the Gloo group (``timeout_s``: Gloo's own collective timeout)."""
+    import os
+    from datetime import timedelta
+
+    log = open(Path(out, f"stderr-rank{rank}.txt"), "w")
+    os.dup2(log.fileno(), 2)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    opts = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+    dist.init_process_group("gloo", **opts)
+
+
 def run_cases(cases: dict[str, tuple[Config, str | None]], out_dir: str, *,
               world: int = 8) -> dict[str, dict]:
     """Spawn ``world`` ranks once, run every case ``name -> (config, injected bug)`` on them,

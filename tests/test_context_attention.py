@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import multiprocessing as mp
-import os
 import socket
 import time
 import traceback
@@ -212,12 +211,9 @@ def _run_case(seed, group, cp, method, causal, layout, bug):
 def _worker(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
-    log = open(Path(out, f"stderr-rank{rank}.txt"), "w")
-    os.dup2(log.fileno(), 2)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    from hybridpar.testing import join_world
+
+    join_world(rank, WORLD, port, out)
     results = {}
     try:
         pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group

@@ -91,22 +91,13 @@ def _hang_in_forward(rank: int, stamp: Path) -> None:
 
 
 def _worker(rank: int, port: int, out: str) -> None:
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
     from hybridpar.config import ReliabilityConfig
     from hybridpar.parallel.mesh import build_mesh
-    from hybridpar.testing import tiny_config, tiny_dataset
+    from hybridpar.testing import join_world, tiny_config, tiny_dataset
     from hybridpar.engine.train import train
 
-    log = open(Path(out, f"stderr-rank{rank}.txt"), "w")
-    os.dup2(log.fileno(), 2)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD))
-    torch.set_num_threads(1)
     # Gloo's own timeout is far beyond the test's limit: only the watchdog can end the hang
-    dist.init_process_group("gloo", timeout=timedelta(seconds=600))
+    join_world(rank, WORLD, port, out, timeout_s=600)
     for name, cfg, fault in _cases():
         torch.save(_run_case(cfg, fault), Path(out, f"{name}-{rank}.pt"))
     _hang_in_forward(rank, Path(out, "hang_started"))

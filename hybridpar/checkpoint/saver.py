@@ -27,15 +27,10 @@ class Saver:
         self.trainer = trainer
         self.cfg = trainer.cfg.checkpoint
         self.preempted = False  # this rank received SIGTERM
-        self.stopped = False    # the ranks agreed to stop for a SIGTERM
         self.last_saved: Path | None = None
         self._previous = None
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
-
-    @classmethod
-    def start(cls, trainer) -> "Saver":
-        return cls(trainer)
 
     def _on_sigterm(self, signum, frame) -> None:
         self.preempted = True
@@ -54,11 +49,11 @@ class Saver:
         """At a step boundary (every rank): save if due; True when the run must stop now."""
         step = self.trainer.step
         store.kill_point(f"step={step}", self.trainer.mesh.rank)
-        self.stopped = self._agree()
+        stop = self._agree()  # the ranks agree to stop for a SIGTERM
         every = self.cfg.every
-        if self.cfg.dir and (last or self.stopped or (every > 0 and step % every == 0)):
+        if self.cfg.dir and (last or stop or (every > 0 and step % every == 0)):
             self.last_saved = save(self.trainer, self.cfg.dir, keep=self.cfg.keep)
-        return self.stopped
+        return stop
 
     def close(self) -> None:
         if self._previous is not None:

@@ -364,7 +364,7 @@ def _train(cfg, mesh, dataset, callbacks, spec) -> list[dict]:
     history = []
     last_slow = None
     dog = watchdog.start(cfg, mesh)  # None on one rank or with reliability.deadline_s=0
-    saver = checkpoint.Saver.start(trainer)  # saves (with checkpoint.dir); catches SIGTERM
+    saver = checkpoint.Saver(trainer)  # saves (with checkpoint.dir); catches SIGTERM
     try:
         while trainer.step < t.steps:
             m = trainer.train_step(callbacks)
