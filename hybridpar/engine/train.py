@@ -92,8 +92,8 @@ def _local_rows(step: int, cfg: Config, mesh: ParallelMesh, dataset, split: str 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A batch tensor onto the device: on a GPU from pinned memory and asynchronously (the
     copy overlaps the previous micro-batch's kernels instead of stalling the host)."""
-    if device.type != "cuda":
-        return t.to(device)
+    if device.type != "cuda":  # its own copy, as on a GPU (not a view of the whole batch)
+        return t.to(device, copy=True)
     return t.pin_memory().to(device, non_blocking=True)
 
 

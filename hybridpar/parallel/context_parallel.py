@@ -254,6 +254,23 @@ def _live_blocks(all_pos, q_pos, causal: bool) -> list[bool]:
     return (all_pos.min(dim=1).values <= q_pos.max()).tolist()
 
 
+def _cut(q_pos, k_pos, causal: bool):
+    """(rows, cols): the local queries with some visible key of this block and the keys visible
+    to some local query, as index tensors, or None for "all". Under zigzag sharding an
+    off-diagonal block is half live (all queries see the first half of the keys, or the second
+    half of the queries sees all keys), so attending only the cut halves its work."""
+    if not causal:
+        return None, None
+    allowed = _allowed(q_pos, k_pos, True)
+    rows, cols = allowed.any(1).nonzero().view(-1), allowed.any(0).nonzero().view(-1)
+    return (None if rows.numel() == q_pos.numel() else rows,
+            None if cols.numel() == k_pos.numel() else cols)
+
+
+def _rows(x, rows, dim: int):
+    return x if rows is None else x.index_select(dim, rows)
+
+
 class _RingAttention(torch.autograd.Function):
     """Ring attention, forward and backward in cp steps each.
 
@@ -272,6 +289,7 @@ class _RingAttention(torch.autograd.Function):
         acc = _acc_dtype(q.dtype)
         all_pos = _gather_positions(q_pos, group, cp) if all_pos is None else all_pos.to(q_pos.device)
         live = _live_blocks(all_pos, q_pos, causal)
+        cuts = [_cut(q_pos, all_pos[s], causal) if live[s] else (None, None) for s in range(cp)]
         B, T, H, hd = q.shape
         out = torch.zeros(B, T, H, hd, dtype=acc, device=q.device)
         lse = torch.full((B, H, T), float("-inf"), dtype=acc, device=q.device)
@@ -281,21 +299,28 @@ class _RingAttention(torch.autograd.Function):
             if step < cp - 1:
                 kv_next, works = _shift(kv, group, nxt, prv, tag=0)
             if live[src]:
-                o, l = _attend(q, kv[0], kv[1], q_pos, all_pos[src], causal, scale)
-                out, lse = merge_partials(out, lse, o, l)
+                rows, cols = cuts[src]
+                o, l = _attend(_rows(q, rows, 1), _rows(kv[0], cols, 1), _rows(kv[1], cols, 1),
+                               _rows(q_pos, rows, 0), _rows(all_pos[src], cols, 0), causal, scale)
+                if rows is None:
+                    out, lse = merge_partials(out, lse, o, l)
+                else:  # only the live rows change
+                    o, l = merge_partials(out.index_select(1, rows), lse.index_select(2, rows), o, l)
+                    out, lse = out.index_copy(1, rows, o), lse.index_copy(2, rows, l)
             if step < cp - 1:
                 _wait(works)
                 kv = kv_next
-        out = out.to(q.dtype)
+        # contiguous, so that the output projection's input is a view of it, not a second copy
+        out = out.to(q.dtype).contiguous()
         ctx.save_for_backward(q, k, v, out, lse, q_pos, all_pos)
-        ctx.group, ctx.causal, ctx.scale, ctx.live = group, causal, scale, live
+        ctx.group, ctx.causal, ctx.scale, ctx.live, ctx.cuts = group, causal, scale, live, cuts
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, d_out):
         q, k, v, out, lse, q_pos, all_pos = ctx.saved_tensors
-        group, causal, scale, live = ctx.group, ctx.causal, ctx.scale, ctx.live
+        group, causal, scale, live, cuts = ctx.group, ctx.causal, ctx.scale, ctx.live, ctx.cuts
         rank, cp, nxt, prv = _ring_peers(group)
         acc = lse.dtype
         B, T, H, hd = q.shape
@@ -316,15 +341,26 @@ class _RingAttention(torch.autograd.Function):
             if step < cp - 1:
                 kv_next, kv_works = _shift(kv, group, nxt, prv, tag=0)
             block = None
-            if live[src]:
-                kb, vb = kv[0].to(acc), kv[1].to(acc)
-                s = _scores(q, kv[0], _allowed(q_pos, all_pos[src], causal), scale, acc)
-                p = torch.exp(s - lse5)                                   # (B,G,rep,T,S)
-                dp = torch.einsum("btgrd,bsgd->bgrts", dog, vb)
-                ds = p * (dp - delta)
-                dq += torch.einsum("bgrts,bsgd->btgrd", ds, kb) * scale
-                block = torch.stack([torch.einsum("bgrts,btgrd->bsgd", ds, qg) * scale,
-                                     torch.einsum("bgrts,btgrd->bsgd", p, dog)])
+            if live[src]:  # on the cut of the block (its live rows and columns) only
+                rows, cols = cuts[src]
+                kr, vr = _rows(kv[0], cols, 1), _rows(kv[1], cols, 1)
+                kb, vb = kr.to(acc), vr.to(acc)
+                dog_r, qg_r = _rows(dog, rows, 1), _rows(qg, rows, 1)
+                s = _scores(_rows(q, rows, 1), kr, _allowed(_rows(q_pos, rows, 0),
+                                                            _rows(all_pos[src], cols, 0), causal),
+                            scale, acc)
+                p = torch.exp(s - _rows(lse5, rows, 3))                  # (B,G,rep,T',S')
+                dp = torch.einsum("btgrd,bsgd->bgrts", dog_r, vb)
+                ds = p * (dp - _rows(delta, rows, 3))
+                dq_b = torch.einsum("bgrts,bsgd->btgrd", ds, kb) * scale
+                if rows is None:
+                    dq += dq_b
+                else:
+                    dq.index_add_(1, rows, dq_b)
+                block = torch.stack([torch.einsum("bgrts,btgrd->bsgd", ds, qg_r) * scale,
+                                     torch.einsum("bgrts,btgrd->bsgd", p, dog_r)])
+                if cols is not None:
+                    block = torch.zeros_like(dkv).index_copy(2, cols, block)
             if step > 0:  # the accumulator for src, sent by r-1 after its previous step
                 _wait(dkv_works)
                 dkv = dkv_recv

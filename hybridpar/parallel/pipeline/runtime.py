@@ -8,6 +8,8 @@ plain gradient accumulation through the same code.
 """
 from __future__ import annotations
 
+import contextlib
+
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -88,17 +90,15 @@ class PipelineRunner:
     def _forward(self, a: Action, inputs, targets, st: StepState) -> None:
         key, chunk = (a.chunk, a.mb), self.chunks[a.chunk]
         x = as_tuple(inputs[a.mb] if key not in st.inputs else st.inputs[key])
-        if self.meter is None:
+        # the meter counts what the loss keeps too (its softmax: often the largest activation)
+        with (self.meter.forward(key) if self.meter is not None else contextlib.nullcontext()):
             out = chunk(*x)
-        else:
-            with self.meter.forward(key):
-                out = chunk(*x)
-        if self._is_last(a.chunk):
-            if self.eval_fn is not None and not torch.is_grad_enabled():
-                st.metrics[a.mb] = self.eval_fn(out, targets[a.mb])
-            loss = self.loss_fn(out, targets[a.mb]) / self.n_microbatches
-            st.losses[a.mb] = loss.detach()
-            out = loss
+            if self._is_last(a.chunk):
+                if self.eval_fn is not None and not torch.is_grad_enabled():
+                    st.metrics[a.mb] = self.eval_fn(out, targets[a.mb])
+                loss = self.loss_fn(out, targets[a.mb]) / self.n_microbatches
+                st.losses[a.mb] = loss.detach()
+                out = loss
         st.outputs[key] = out
         st.max_in_flight = max(st.max_in_flight, len(st.outputs))
 
