@@ -4,6 +4,7 @@ wants to verify their own build (``python -m pytest tests``)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import replace
 from pathlib import Path
 
@@ -150,7 +151,7 @@ def injected(bug: str | None):
         def new(model, shard):
             for m in model.modules():
                 if isinstance(m, transformer.Attention):
-                    m.core = transformer._causal(shard)
+                    m.core = functools.partial(shard.attend, causal=True)
     elif bug == "cp_grads_over_dp_only":  # cp: gradients not averaged over the cp ranks
         from .parallel.mesh import ParallelMesh
         target, name = ParallelMesh, "group"

@@ -225,8 +225,7 @@ class Trainer:
         activity.mark("optimizer step")
         # every dp x cp replica's last stage added its loss (a cp rank's: the mean over its tokens,
         # the same count on every cp rank, or the masked share of the global mean times dp*cp)
-        replicas_loss = mesh.layout.dp * mesh.layout.cp
-        grad_norm, loss = math.sqrt(sumsq / replicas), loss / replicas_loss / scale
+        grad_norm, loss = math.sqrt(sumsq / replicas), loss / mesh.layout.replicas / scale
         # fp16: an overflowed step is skipped (same decision on every rank: the norm is global)
         update = self.scaler.update(math.isfinite(grad_norm)) if self.scaler is not None else True
         # fp32/bf16; under fp16 the loss scaler owns non-finite steps (overflow is expected there)
@@ -325,7 +324,7 @@ class Trainer:
             self.pm.module.train()
         activity.mark("eval all-reduce", comm=True)
         total, correct, count = _all_reduce_scalars([total, *metric], mesh)
-        out = {"val_loss": total / (n * mesh.layout.dp * mesh.layout.cp)}
+        out = {"val_loss": total / (n * mesh.layout.replicas)}
         if self.runner.eval_fn is not None and count:
             out["val_accuracy"] = correct / count
         return out

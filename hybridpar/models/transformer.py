@@ -9,6 +9,8 @@ the engine. Layers live in a ModuleDict keyed by their global index so parameter
 from __future__ import annotations
 
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -169,13 +171,7 @@ def shard_sequence(model: nn.Module, shard) -> None:
             if id(m.rotary) not in rotaries:
                 rotaries[id(m.rotary)] = m.rotary.at(shard.positions)
             m.rotary = rotaries[id(m.rotary)]
-            m.core = _causal(shard)
-
-
-def _causal(shard):
-    def core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return shard.attend(q, k, v, causal=True)
-    return core
+            m.core = functools.partial(shard.attend, causal=True)
 
 
 def count_params(cfg: ModelConfig) -> int:

@@ -7,6 +7,8 @@ positions -> pre-norm transformer blocks (non-causal multi-head attention, GELU 
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -111,13 +113,8 @@ def shard_tokens(model: nn.Module, shard, n_tokens: int) -> None:
             unit.shard = tokens
     for m in model.modules():
         if isinstance(m, Attention):
-            m.core = _masked(tokens)
-
-
-def _masked(shard):
-    def core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return shard.attend(q, k, v, causal=True)  # causal by mask position: the pads hidden
-    return core
+            # "causal" by mask position: every real key visible, the pads hidden
+            m.core = functools.partial(tokens.attend, causal=True)
 
 
 TP_PLAN = {

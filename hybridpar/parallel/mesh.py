@@ -51,6 +51,12 @@ class Layout:
     def world_size(self) -> int:
         return self.dp * self.cp * self.tp * self.pp
 
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same parameters (dp x cp): they average gradients, and each adds
+        its loss to the step's all-reduce."""
+        return self.dp * self.cp
+
     def size(self, axis: str) -> int:
         return getattr(self, axis)
 

@@ -112,8 +112,7 @@ class ParallelModel:
         # one multi-tensor kernel and one host sync for all the norms (not one per parameter);
         # the squares are summed in the same order as ever, in float64
         total = sum(n * n for n in _norms64(grads))
-        layout = self.mesh.layout
-        return total, 1 if self.grad_sync.zero1 else layout.dp * layout.cp
+        return total, 1 if self.grad_sync.zero1 else self.mesh.layout.replicas
 
     def finish_grads(self) -> None:
         """After the schedule: dp all-reduce, then sum the tied embedding's two pipeline copies."""
