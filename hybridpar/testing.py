@@ -215,7 +215,8 @@ def cases_worker(cases: list[tuple[str, Config, str | None]], out_dir: str) -> N
             folder.mkdir(parents=True, exist_ok=True)
             torch.save(result, folder / f"{rank}.pt")
     finally:
-        dist.destroy_process_group()
+        from .engine.launch import teardown
+        teardown()
 
 
 def join_world(rank: int, world: int, port: int, out: str, *, timeout_s: float | None = None) -> None:

@@ -179,7 +179,7 @@ def _train_worker(cfg: Config, dataset=None, model=None) -> RunResult | None:
         spec = resolve(model, cfg.model) if model is not None else None
         mesh = setup(cfg, spec=spec)
         history = train(cfg, mesh, dataset=dataset, spec=spec)
-        teardown()  # not on failure: closing our connections first would make the healthy ranks
+        teardown(mesh)  # not on failure: closing our connections first would make the healthy ranks
         # fail with "connection closed" before the launcher has seen this rank's error
     except Exception as e:
         # the watchdog printed what failed inside train(); user errors become one line upstream

@@ -118,9 +118,24 @@ def _attempt_store() -> dict:
             "world_size": world}
 
 
-def teardown() -> None:
+def teardown(mesh: ParallelMesh | None = None) -> None:
+    """Destroy every process group and join their threads while the interpreter is alive.
+
+    ``destroy_process_group`` only unregisters a group we still hold: its Gloo threads run on
+    until the object dies, which for a mesh alive at exit is during interpreter shutdown. A
+    worker thread still holding a finished collective's tensor then needs the GIL to free it,
+    and a thread taking the GIL during shutdown is ended by ``pthread_exit``, which aborts the
+    process ("terminate called without an active exception", SIGABRT) after a run that
+    succeeded. So the mesh lets go of its groups (``mesh.release()``) and the cycles that hold
+    the rest (the model's layers, the optimizer) are collected here: the groups' destructors
+    join their threads now, with the GIL released, while those threads can still take it."""
+    import gc
+
     if dist.is_initialized():
         dist.destroy_process_group()
+    if mesh is not None:
+        mesh.release()
+    gc.collect()
 
 
 class Signals:

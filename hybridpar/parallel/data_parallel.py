@@ -22,6 +22,7 @@ reduced slice of the same elements, on one code path for Gloo and NCCL.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -49,6 +50,20 @@ def _offsets(params: list[nn.Parameter]) -> list[int]:
         out.append(off)
         off += p.numel()
     return out
+
+
+def _weak_hook(method):
+    """``method`` as a parameter hook that does not keep its object alive. The hook is held by
+    the parameter's autograd metadata, where the garbage collector cannot see it: a strong
+    reference makes parameter -> hook -> GradSync -> bucket -> parameter a cycle that is never
+    freed, leaking every run's gradient buckets and the process group they reduce over."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(p: torch.Tensor) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(p)
+    return hook
 
 
 @dataclass
@@ -100,7 +115,7 @@ class GradSync:
             for p in b.params:
                 sync.bucket_of[id(p)] = i
                 if sync.active:
-                    p.register_post_accumulate_grad_hook(sync._on_grad)
+                    p.register_post_accumulate_grad_hook(_weak_hook(sync._on_grad))
         sync.zero_grad()
         return sync
 

@@ -138,6 +138,12 @@ class ParallelMesh:
     def describe(self) -> str:
         return f"rank {self.rank} ({self.layout.describe_rank(self.rank)})"
 
+    def release(self) -> None:
+        """Drop this mesh's process groups (after ``destroy_process_group``), so that they are
+        destroyed, and their threads joined, when the last other holder lets go, not at exit."""
+        self.groups = {}
+        self.embed_group = self.device_mesh = None
+
 
 def _new_groups(all_ranks: list[list[int]], rank: int) -> dist.ProcessGroup | None:
     """Create every group of ``all_ranks`` (collective over the world: each rank creates all of

@@ -238,7 +238,8 @@ def _collectives_worker(sizes: list[int], iters: int, n: int) -> dict | None:
             out[name] = _fit(pts)
         return out if rank == 0 else None
     finally:
-        dist.destroy_process_group()
+        from ..engine.launch import teardown
+        teardown()
 
 
 def calibrate(ranks: tuple[int, ...] = (2, 4, 8), *, log=print) -> Cluster:

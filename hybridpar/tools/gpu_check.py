@@ -190,7 +190,7 @@ def _dist_worker(cases: list[tuple[str, Config]]) -> dict:
             mesh = setup(cfg)
             out[name] = run_case(cfg, dataset=tiny_dataset(), mesh=mesh)
     finally:
-        teardown()
+        teardown(mesh)
     return out
 
 

@@ -65,7 +65,8 @@ def _worker(cfgs: dict[str, Config]) -> dict:
         out[name] = {"mem": m["mem"], "busy_frac": m["busy_frac"], "step_time_s": m["step_time_s"],
                      "params": sum(p.numel() for p in tr.pm.module.parameters()),
                      "layers": sum(u in tr.pm.spec.blocks for u in tr.pm.units), "in_flight": m["max_in_flight"]}
-    teardown()
+    del tr
+    teardown(mesh)
     return out
 
 
@@ -78,7 +79,8 @@ def _layout_worker(cfg: Config) -> dict:
     m = tr.train_step()
     out = {"activations": m["mem"]["activations"], "params": m["mem"]["params"],
            "pp_rank": mesh.pp_rank, "step_time_s": m["step_time_s"]}
-    teardown()
+    del tr
+    teardown(mesh)
     return out
 
 
@@ -112,7 +114,8 @@ def _cp_worker(cfg: Config) -> dict:
     tr = Trainer(cfg, mesh)
     m = tr.train_step()
     out = {"activations": m["mem"]["activations"], "loss": m["loss"], "step_time_s": m["step_time_s"]}
-    teardown()
+    del tr
+    teardown(mesh)
     return out
 
 

@@ -48,7 +48,8 @@ def _worker(cfg: Config, steps: int) -> list[dict] | None:
     mesh = setup(cfg)
     trainer = Trainer(cfg, mesh, dataset=tiny_dataset())
     history = [trainer.train_step() for _ in range(steps)]
-    teardown()
+    del trainer
+    teardown(mesh)
     return history if mesh.rank == 0 else None
 
 

@@ -127,7 +127,8 @@ def _worker(sizes: list[int], iters: int, threads: int) -> list[dict] | None:
                              "raw_s": slowest[1].item(), "bus_factor": bus})
         return rows if dist.get_rank() == 0 else None
     finally:
-        dist.destroy_process_group()
+        from ...engine.launch import teardown
+        teardown()
 
 
 def format_rows(rows: list[dict]) -> str:

@@ -189,7 +189,8 @@ def _worker(cfgs: list[Config], a: dict) -> list[dict]:
                       + f"tp={lay.tp} pp={lay.pp} {lay.schedule}: {time.time() - t:.0f} s", flush=True)
         return results
     finally:
-        dist.destroy_process_group()
+        from ...engine.launch import teardown
+        teardown()
 
 
 # -- report ----------------------------------------------------------------------------------
