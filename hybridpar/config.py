@@ -118,7 +118,9 @@ class ParallelConfig:
     recompute: str = _f("none", "activation recomputation", choices=("none", "selective", "full"))
     grad_reduce_dtype: str = _f("fp32", "dtype of the dp gradient reduction", choices=("fp32", "bf16"))
     order: str = _f("tp-dp-pp", "rank order, innermost axis first (tp innermost = closest ranks)")
-    pp_split: str = _f("", "layers per stage, e.g. '2,2,1,1'; empty = balanced")
+    pp_split: str = _f("", "blocks per stage, e.g. '2,2,1,1', or 'auto': the split whose slowest "
+                           "stage is predicted fastest (stem and head included); empty = by count, "
+                           "or auto when the blocks' costs differ (a CNN's stages)")
     bucket_mb: float = _f(0.0, "data-parallel gradient bucket size in MiB; 0 = auto: an eighth of the "
                                "stage's gradients, between 1 and 25 MiB, so the first all-reduces "
                                "start while backward still runs even for a small model", ge=0)
@@ -446,7 +448,7 @@ def _validate_llama(m: ModelConfig, p: ParallelConfig) -> None:
 
 def _validate_rest(cfg: Config, world_size: int | None) -> None:
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    if p.pp_split:
+    if p.pp_split and p.pp_split != "auto":
         try:
             split = pp_split(m.n_layers, p.pp, p.pp_split)
         except ValueError:

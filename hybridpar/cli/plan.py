@@ -4,6 +4,11 @@
         --global-batch 1536 --top 10
     hybridpar plan --cluster PROFILE.json --devices-per-node 4 --print-command   # this machine
     hybridpar plan --config run.toml --model.n_layers=12 --apply
+    hybridpar plan --model.name=resnet --cluster a100-80g --nodes 2 --global-batch 256
+    hybridpar plan --model.spec=mypkg.models:my_spec --cluster h100-80g
+
+The built-in Llama is costed by closed forms; any other model (``--model.name=vit|resnet|unet``,
+``--model.spec=...``) from a profile of its units on the meta device (``planner.spec_model``).
 """
 from __future__ import annotations
 
@@ -21,7 +26,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hybridpar plan", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="Model sizes can be overridden as --model.field=value.")
-    p.add_argument("--model", default="default", help=f"preset: {', '.join(MODELS)}")
+    p.add_argument("--model", default="default",
+                   help=f"Llama preset: {', '.join(MODELS)} (other models: --model.name=, --model.spec=)")
     p.add_argument("--config", help="TOML config: its [model] and train.global_batch")
     p.add_argument("--global-batch", type=int, help="sequences per step (default: the config's)")
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's)")
@@ -32,6 +38,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="devices (GPU) or ranks (CPU) per node (default: the profile's)")
     p.add_argument("--top", type=int, default=10, help="rows to print")
     p.add_argument("--microbatches", type=int, help="only layouts with this many micro-batches")
+    for axis in ("dp", "tp", "pp"):
+        p.add_argument(f"--{axis}", type=int, help=f"only layouts with this {axis} degree")
     p.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved"), help="only this schedule")
     p.add_argument("--max-mb", type=int, default=8, help="largest micro-batch size tried")
     p.add_argument("--print-command", action="store_true", help="print `hybridpar train` for the best plan")
@@ -40,7 +48,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def resolve(args, overrides: list[str]) -> tuple[Config, int]:
-    """The model config and global batch a plan is for."""
+    """The config and global batch a plan is for."""
     if args.model not in MODELS:
         raise ConfigError(f"--model={args.model!r} is unknown; presets: {', '.join(MODELS)}")
     cfg = Config(model=MODELS[args.model])
@@ -53,8 +61,18 @@ def resolve(args, overrides: list[str]) -> tuple[Config, int]:
     return cfg, gb
 
 
-def command(cfg: Config, plan: Plan, args) -> list[str]:
-    """The ``hybridpar train`` arguments that run ``plan`` as is."""
+def model_for(cfg: Config):
+    """What the planner costs: the Llama's ModelConfig (closed forms), or a ``SpecModel``."""
+    m = cfg.model
+    if m.name == "llama" and not m.spec:
+        return m
+    from ..planner.spec_model import SpecModel
+    return SpecModel(m, cfg=cfg, pp_split=cfg.parallel.pp_split)
+
+
+def command(cfg: Config, plan: Plan, args, split=None) -> list[str]:
+    """The ``hybridpar train`` arguments that run ``plan`` as is (``split``: the blocks per
+    stage the prediction assumed, given explicitly so that the run uses them)."""
     argv = ["--dp", str(plan.dp), *(["--cp", str(plan.cp)] if plan.cp > 1 else []),
             "--tp", str(plan.tp), "--pp", str(plan.pp),
             "--microbatches", str(plan.microbatches), "--schedule", plan.schedule,
@@ -65,6 +83,8 @@ def command(cfg: Config, plan: Plan, args) -> list[str]:
              "zero1": (plan.zero1, False), "sequence_parallel": (plan.sequence_parallel, False)}
     argv += [f"--parallel.{k}={str(v).lower() if isinstance(v, bool) else v}"
              for k, (v, default) in extra.items() if v != default]
+    if split is not None and plan.virtual_stages == 1:
+        argv.append(f"--parallel.pp_split={','.join(map(str, split))}")
     defaults = ModelConfig()
     argv += [f"--model.{f.name}={getattr(cfg.model, f.name)}" for f in fields(ModelConfig)
              if getattr(cfg.model, f.name) != getattr(defaults, f.name)]
@@ -75,12 +95,12 @@ def _mem(x: float, big: bool) -> str:
     return f"{x / 2 ** 30:.1f}" if big else f"{x / 2 ** 20:.1f}"
 
 
-def format_table(rows: list[Row], c: Cluster) -> str:
+def format_table(rows: list[Row], c: Cluster, per: str = "tok/s") -> str:
     big = max(r.mem["total"] for r in rows) > 4 * 2 ** 30
     unit = "GiB" if big else "MiB"
     cp = any(r.plan.cp > 1 for r in rows)  # a cp column (its ring time counts in "tp s") if used
     head = (f"{'#':>2} {'dp':>4} " + (f"{'cp':>3} " if cp else "") + f"{'tp':>2} {'pp':>3} {'mb x M':>9} {'schedule':>13} {'recomp':>9} "
-            f"{'zero1':>5} {'sp':>3} {'step s':>8} {'tok/s':>9} {'MFU':>5} {'bubble':>6} "
+            f"{'zero1':>5} {'sp':>3} {'step s':>8} {per:>9} {'MFU':>5} {'bubble':>6} "
             f"{'tp s':>7} {'pp s':>7} {'dp s':>7} | {'params':>7} {'grads':>7} {'optim':>7} "
             f"{'activ':>7} {'total':>7} {unit:>3} fits")
     lines = [head, "-" * len(head)]
@@ -98,25 +118,41 @@ def format_table(rows: list[Row], c: Cluster) -> str:
 
 def plan_main(argv: list[str], run_train=None) -> int:
     args, rest = _parser().parse_known_args(argv)
-    bad = [x for x in rest if not (x.startswith("--model.") and "=" in x)]
+    bad = [x for x in rest if not (x.startswith(("--model.", "--parallel.pp_split=")) and "=" in x)]
     if bad:
         raise ConfigError(f"unknown argument '{bad[0]}'; see hybridpar plan --help")
     cfg, gb = resolve(args, rest)
+    m = model_for(cfg)
     c = load_cluster(args.cluster, nodes=args.nodes, devices_per_node=args.devices_per_node)
     if args.top < 1:
         raise ConfigError(f"--top={args.top} must be at least 1")
-    fixed = {k: v for k, v in (("microbatches", args.microbatches), ("schedule", args.schedule)) if v}
-    rows, n = rank(cfg.model, c, gb, top=args.top, fixed=fixed, max_mb=args.max_mb)
-    m = cfg.model
-    print(f"model: {m.n_layers} layers, d_model {m.d_model}, heads {m.n_heads}/{m.n_kv_heads} kv, "
-          f"d_ff {m.d_ff}, vocab {m.vocab_size}, seq {m.seq_len}; global batch {gb}; cluster "
+    fixed = {k: v for k, v in (("microbatches", args.microbatches), ("schedule", args.schedule),
+                               ("dp", args.dp), ("tp", args.tp), ("pp", args.pp)) if v}
+    rows, n = rank(m, c, gb, top=args.top, fixed=fixed, max_mb=args.max_mb)
+    if isinstance(m, ModelConfig):
+        what = (f"model: {m.n_layers} layers, d_model {m.d_model}, heads {m.n_heads}/{m.n_kv_heads} kv, "
+                f"d_ff {m.d_ff}, vocab {m.vocab_size}, seq {m.seq_len}")
+    else:
+        what = f"model {m.describe()} (profiled on the meta device)"
+    print(f"{what}; global batch {gb}; cluster "
           f"{c.name}: {c.nodes} x {c.devices_per_node} devices, {c.device_mem / 2 ** 30:.1f} GiB each; "
           f"{n} valid layouts (tp inside a node, rank order tp-cp-dp-pp)")
-    print(format_table(rows, c))
+    print(format_table(rows, c, per=("tok/s" if isinstance(m, ModelConfig) or m.per_sample > 1
+                                     else "img/s")))
     best = rows[0]
     if not best.fits:
         print("no layout fits in device memory: the rows above are the closest")
-    argv_train = command(cfg, best.plan, args)
+    split = None
+    if best.plan.pp > 1:
+        from ..planner.timing import costing, stage_times
+        times = stage_times(m, best.plan, c)
+        split = getattr(costing(m, best.plan, c), "split", None)
+        p = best.plan
+        blocks = [sum(split[ch * p.pp + s] for ch in range(p.virtual_stages)) for s in range(p.pp)]
+        print("best layout's pipeline stages: " + " | ".join(
+            f"{x} blocks {1e3 * t:.3g} ms" for x, t in zip(blocks, times))
+              + " (forward+backward of one micro-batch)")
+    argv_train = command(cfg, best.plan, args, split=split if not isinstance(m, ModelConfig) else None)
     if args.print_command or args.apply:
         launcher = "hybridpar train" if c.nodes == 1 else \
             f"torchrun --nnodes {c.nodes} --nproc-per-node {c.devices_per_node} -m hybridpar train"

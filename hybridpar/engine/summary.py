@@ -25,7 +25,7 @@ def startup_lines(trainer) -> list[str]:
     cfg, mesh = trainer.cfg, trainer.mesh
     p, t, lay = cfg.parallel, cfg.train, mesh.layout
     spec = trainer.pm.spec
-    schedule = f", {p.schedule} schedule, {p.microbatches} micro-batches" if lay.pp > 1 else \
+    schedule = f", {p.schedule} schedule, {p.microbatches} micro-batch{'es' if p.microbatches > 1 else ''}" if lay.pp > 1 else \
         f", {p.microbatches} micro-batch{'es' if p.microbatches > 1 else ''}"
     extras = [x for x, on in (("ZeRO-1", p.zero1), ("sequence parallel", p.sequence_parallel),
                               (f"recompute={p.recompute}", p.recompute != "none"),
@@ -40,6 +40,10 @@ def startup_lines(trainer) -> list[str]:
              + f"tp={lay.tp} pp={lay.pp} (rank order {'-'.join(lay.order) if lay.cp > 1 else p.order})"
              f"{schedule}"
              + (f"; {', '.join(extras)}" if extras else "")]
+    if lay.pp > 1:
+        lines.append("pipeline stages: " + " | ".join(
+            f"{len([u for u in units if u in spec.blocks])} blocks" for units in trainer.pm.stage_units)
+            + f" ({trainer.pm.split_note})")
     describe = getattr(trainer.dataset, "describe", None)
     per_step = (f"{t.global_batch * cfg.model.seq_len:,} tokens per step "
                 f"({t.global_batch} x {cfg.model.seq_len})" if _is_text(trainer.dataset)

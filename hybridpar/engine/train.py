@@ -140,7 +140,11 @@ class Trainer:
         if cfg.model.init_from:  # a Hugging Face folder, an import-hf folder, or a tensor file
             from ..interop.hf import open_state
             init_state = open_state(cfg.model.init_from)
-        self.pm = parallelize(cfg, mesh, spec=spec, init_state=init_state)
+        dataset = self.dataset
+        self.pm = parallelize(cfg, mesh, spec=spec, init_state=init_state,
+                              example=lambda b: dataset.batch("train", 0, seed=cfg.train.seed,
+                                                              global_batch_size=b,
+                                                              seq_len=cfg.model.seq_len))
         self.opt = build_optimizer(self.pm, cfg)
         p = cfg.parallel
         P, v = mesh.layout.pp, p.virtual_stages

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .batchnorm import recomputing, reset_buffers, sync_batchnorm
-from ..config import Config, bucket_bytes, pp_split, precision_of
+from ..config import Config, bucket_bytes, precision_of
 from .context_parallel import SequenceShard, apply_context_parallel
 from .data_parallel import GradSync
 from .memory import record_saved
@@ -64,6 +64,7 @@ class ParallelModel:
     vocab_parallel_loss: bool = False  # the head is split by vocabulary rows over tp
     stage_units: list[list[str]] = field(default_factory=list)  # every virtual stage's units
     sequence_shard: SequenceShard | None = None  # cp > 1: this rank's tokens of each sequence
+    split_note: str = ""  # how the blocks were split into pipeline stages
 
     @property
     def is_first(self) -> bool:
@@ -247,10 +248,12 @@ def full_value(spec: ModelSpec, shard: ShardSpec, *, seed: int, init_state=None,
 
 
 def parallelize(cfg: Config, mesh: ParallelMesh, *, spec: ModelSpec | None = None,
-                init_state=None) -> ParallelModel:
+                init_state=None, example=None) -> ParallelModel:
     """This rank's shard of the model ``spec`` describes (default: the config's model),
     initialised from ``init_state`` (full tensors, e.g. ``interop.hf.open_state(model.init_from)``;
-    each rank keeps ``ShardSpec.take`` of them) or from the spec's seeded init."""
+    each rank keeps ``ShardSpec.take`` of them) or from the spec's seeded init. The pipeline
+    split is ``planner.spec_model.pipeline_split``'s (``example(b)``: a micro-batch of b
+    samples, to profile the blocks when they are split by cost)."""
     m, p = cfg.model, cfg.parallel
     spec = spec or spec_for(m)
     if init_state is None and m.init_from:
@@ -263,7 +266,8 @@ def parallelize(cfg: Config, mesh: ParallelMesh, *, spec: ModelSpec | None = Non
     check_buffers(model, spec)
     full_shapes = {n: tuple(q.shape) for n, q in model.named_parameters(remove_duplicate=False)}
     full_shapes.update((n, tuple(b.shape)) for n, b in model.named_buffers())
-    split = pp_split(len(spec.blocks), mesh.layout.pp * p.virtual_stages, p.pp_split)
+    from ..planner.spec_model import pipeline_split
+    split, split_note = pipeline_split(cfg, spec, mesh.device.type, example)
     chunk_units = split_pipeline(model, spec, mesh.pp_rank, mesh.layout.pp, split)
     tp_dims = apply_tp(model, mesh, dict(spec.tp_plan), sequence_parallel=p.sequence_parallel)
     sync_batchnorm(model, mesh.group("dp"))
@@ -309,7 +313,7 @@ def parallelize(cfg: Config, mesh: ParallelMesh, *, spec: ModelSpec | None = Non
     vocab_parallel = mesh.layout.tp > 1 and any(
         "vocab_head" in style_of(dict(spec.tp_plan), u) for u in spec.head)
     return ParallelModel(model, mesh, spec, specs, sync, chunks, p.sequence_parallel,
-                         vocab_parallel, spec.stage_units(split), seq_shard)
+                         vocab_parallel, spec.stage_units(split), seq_shard, split_note)
 
 
 def build_optimizer(pm: ParallelModel, cfg: Config) -> torch.optim.Optimizer:

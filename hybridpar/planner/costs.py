@@ -258,7 +258,11 @@ def in_flight(plan: Plan, stage: int) -> int:
 def memory(m: ModelConfig, plan: Plan, c: Cluster, stage: int = 0) -> dict[str, float]:
     """Bytes on one rank of ``stage``: fp32 params and grads (the runtime keeps fp32 master
     weights under any precision), AdamW's two fp32 moments (+ a 4 B step per tensor), 1/dp of
-    them under ZeRO-1 (1/(dp cp)), and the activation peak (in-flight micro-batches x bytes per chunk)."""
+    them under ZeRO-1 (1/(dp cp)), and the activation peak (in-flight micro-batches x bytes per chunk).
+    A ``SpecModel`` is costed from its profile (``spec_model.memory``)."""
+    if not isinstance(m, ModelConfig):
+        from .spec_model import memory as spec_memory, split_for
+        return spec_memory(m, plan, c, stage, split_for(m, plan, c, m.pp_split))
     n, tensors = stage_params(m, plan, stage)
     shard = plan.replicas if plan.zero1 else 1
     split, V = stage_layers(m, plan), plan.pp * plan.virtual_stages
@@ -275,6 +279,7 @@ def memory(m: ModelConfig, plan: Plan, c: Cluster, stage: int = 0) -> dict[str, 
 def peak_memory(m: ModelConfig, plan: Plan, c: Cluster) -> dict[str, float]:
     """The stage with the largest total: what must fit on every device. Stages hold fewer
     in-flight micro-batches and no more layers the later they are, so the first two and the
-    last (output head) are the candidates."""
-    stages = sorted({0, min(1, plan.pp - 1), plan.pp - 1})
+    last (output head) are the candidates (every stage of a spec model, split unevenly)."""
+    stages = (sorted({0, min(1, plan.pp - 1), plan.pp - 1}) if isinstance(m, ModelConfig)
+              else range(plan.pp))
     return max((memory(m, plan, c, s) for s in stages), key=lambda x: x["total"])

@@ -46,20 +46,28 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def check(m: ModelConfig, plan: Plan, c: Cluster) -> str | None:
+def check(m, plan: Plan, c: Cluster) -> str | None:
     """Why ``plan`` cannot run on ``c`` (one line), or None."""
     if plan.world != c.world:
         return f"dp*cp*tp*pp = {plan.world} but the cluster has {c.world} devices"
     if plan.tp > c.devices_per_node:
         return f"tp={plan.tp} exceeds {c.devices_per_node} devices per node (tp stays inside a node)"
-    for name in ("n_heads", "n_kv_heads", "d_ff", "vocab_size"):
-        if getattr(m, name) % plan.tp:
-            return f"tp={plan.tp} must divide {name}={getattr(m, name)}"
     if plan.pp * plan.virtual_stages > m.n_layers:
         return f"pp*v = {plan.pp * plan.virtual_stages} exceeds n_layers={m.n_layers}"
     if plan.virtual_stages > 1 and (plan.schedule != "interleaved" or plan.pp < 2
                                     or plan.microbatches % plan.pp):
         return "interleaving needs schedule=interleaved, pp >= 2 and microbatches a multiple of pp"
+    if not isinstance(m, ModelConfig):  # a spec model: its own checks, cp not costed
+        if plan.cp > 1:
+            return "the planner costs cp for the Llama only"
+        if m.pp_split not in ("", "auto") and len(m.pp_split.split(",")) != plan.pp * plan.virtual_stages:
+            return f"parallel.pp_split={m.pp_split} has {len(m.pp_split.split(','))} stages, not pp*v"
+        if m.pp_split == "auto" and plan.virtual_stages > 1:
+            return "parallel.pp_split=auto is for one chunk per stage"
+        return m.check_tp(plan.tp, plan.sequence_parallel and plan.tp > 1)
+    for name in ("n_heads", "n_kv_heads", "d_ff", "vocab_size"):
+        if getattr(m, name) % plan.tp:
+            return f"tp={plan.tp} must divide {name}={getattr(m, name)}"
     if plan.cp > 1 and m.seq_len % (2 * plan.cp):
         return f"cp={plan.cp} needs seq_len={m.seq_len} to be a multiple of 2*cp"
     if plan.sequence_parallel and (m.seq_len // plan.cp) % plan.tp:
@@ -104,15 +112,18 @@ def _axes(m: ModelConfig, c: Cluster):
     for tp in divisors(min(c.world, c.devices_per_node)):
         for pp in divisors(c.world // tp):
             for cp in divisors(c.world // (tp * pp)):
-                if cp == 1 or (m.seq_len % (2 * cp) == 0 and m.seq_len // cp >= CP_MIN_TOKENS):
+                if cp == 1 or (isinstance(m, ModelConfig) and m.seq_len % (2 * cp) == 0 and m.seq_len // cp >= CP_MIN_TOKENS):
                     yield tp, pp, cp
 
 
 def evaluate(m: ModelConfig, plan: Plan, c: Cluster, *, quick: bool = False) -> Row:
     mem = peak_memory(m, plan, c)
     pred = predict_time(m, plan, c, quick=quick)
-    tokens = plan.global_batch * m.seq_len
-    mfu = step_flops(m, plan.global_batch) / (pred.step_time * c.peak_total(c.world))
+    if isinstance(m, ModelConfig):
+        tokens, flops = plan.global_batch * m.seq_len, step_flops(m, plan.global_batch)
+    else:  # a spec model: samples (images) or tokens of its samples
+        tokens, flops = plan.global_batch * m.per_sample, m.step_flops(plan.global_batch)
+    mfu = flops / (pred.step_time * c.peak_total(c.world))
     return Row(plan, mem, mem["total"] <= c.device_mem, pred, tokens / pred.step_time, mfu)
 
 
@@ -124,6 +135,10 @@ def rank(m: ModelConfig, c: Cluster, global_batch: int, *, top: int = 10, fixed:
     if global_batch < 1:
         raise ConfigError(f"--global-batch={global_batch} must be at least 1")
     plans = candidates(m, c, global_batch, max_mb=max_mb, fixed=fixed)
+    if not plans and not isinstance(m, ModelConfig):
+        raise ConfigError(f"no valid layout of {c.world} devices for {m.name} and global batch "
+                          f"{global_batch} (pp <= blocks={m.n_layers}; dp must divide the global "
+                          f"batch; tp: {m.check_tp(2, False) or 'see the model tp_plan'})")
     if not plans:
         raise ConfigError(f"no valid layout of {c.world} devices for this model and global batch "
                           f"{global_batch} (tp must divide heads={m.n_heads}, kv heads={m.n_kv_heads}; "

@@ -129,10 +129,9 @@ def _chunk_costs(m: ModelConfig, plan: Plan, c: Cluster, *, layers: int, embed: 
     return fwd + ovh["action"] * slow, bwd + ovh["action"] * slow, comm_f + comm_b
 
 
-def _post_schedule(m: ModelConfig, plan: Plan, c: Cluster, stage: int, last_bwd: float,
+def _post_schedule(n: int, plan: Plan, c: Cluster, last_bwd: float,
                    slow: float) -> tuple[float, float]:
-    """(seconds after the schedule on ``stage``, of which dp communication)."""
-    n, _ = stage_params(m, plan, stage)
+    """(seconds after the schedule on a stage of ``n`` parameters, of which dp communication)."""
     grads = 4.0 * n
     inter = spans_nodes(c, plan, "dp")
     r = plan.replicas  # cp ranks reduce their gradients with the dp replicas
@@ -192,20 +191,78 @@ def _closed_form(p: int, M: int, v: int, fwd: tuple, bwd: tuple, tc: float, work
     return total, [total] * p, 1 - sum(work) * M / (p * total), "closed form"
 
 
-def predict_time(m: ModelConfig, plan: Plan, c: Cluster, *, quick: bool = False) -> Prediction:
+class _Llama:
+    """The Llama's closed forms, per virtual stage."""
+
+    def __init__(self, m: ModelConfig, plan: Plan, c: Cluster):
+        self.m, self.plan, self.c = m, plan, c
+        self.split = stage_layers(m, plan)
+
+    def message(self) -> float:
+        p = self.plan
+        return (p.mb_size * self.m.seq_len // p.cp * self.m.d_model * self.c.dtype_bytes
+                / (p.tp if p.sequence_parallel else 1))
+
+    def chunks(self, slow: float, busy_ranks: float) -> list[tuple[float, float, float]]:
+        V, split = len(self.split), self.split
+        kinds = {(split[v], v == 0, v == V - 1) for v in range(V)}  # most chunks are alike
+        cost = {k: _chunk_costs(self.m, self.plan, self.c, layers=k[0], embed=k[1], head=k[2],
+                                slow=slow, busy_ranks=busy_ranks) for k in kinds}
+        return [cost[split[v], v == 0, v == V - 1] for v in range(V)]
+
+    def stage_params(self, stage: int) -> int:
+        return stage_params(self.m, self.plan, stage)[0]
+
+
+class _Spec:
+    """A spec model's profile, per virtual stage (``spec_model``)."""
+
+    def __init__(self, m, plan: Plan, c: Cluster):
+        from . import spec_model as sm
+        self.sm, self.m, self.plan, self.c = sm, m, plan, c
+        self.split = sm.split_for(m, plan, c, m.pp_split)
+        self.units = sm.chunk_units(m, self.split)
+
+    def message(self) -> float:
+        return max((self.sm.message_bytes(self.m, self.plan, self.c, u[-1]) for u in self.units[:-1]),
+                   default=0.0)
+
+    def chunks(self, slow: float, busy_ranks: float) -> list[tuple[float, float, float]]:
+        times = self.sm.unit_times(self.m, self.plan, self.c, threads=_threads(self.c, self.plan),
+                                   slow=slow, busy_ranks=busy_ranks)
+        action = self.c.overhead["action"] * slow
+        return [(sum(times[u][0] for u in us) + action, sum(times[u][1] for u in us) + action,
+                 sum(times[u][2] for u in us)) for us in self.units]
+
+    def stage_params(self, stage: int) -> int:
+        p = self.plan
+        return sum(self.sm.chunk_params(self.m, p.tp, p.sequence_parallel, self.units[ch * p.pp + stage])[0]
+                   for ch in range(p.virtual_stages))
+
+
+def costing(m, plan: Plan, c: Cluster):
+    """The per-chunk cost model of ``m``: closed forms for a Llama ``ModelConfig``, the
+    profile for a ``SpecModel``."""
+    return _Llama(m, plan, c) if isinstance(m, ModelConfig) else _Spec(m, plan, c)
+
+
+def stage_times(m, plan: Plan, c: Cluster) -> list[float]:
+    """Forward + backward seconds of one micro-batch on each pipeline stage (its chunks
+    together), as the prediction uses them: the slowest sets the pipeline's pace."""
+    chunks = costing(m, plan, c).chunks(c.contention(float(plan.world)), float(plan.world))
+    return [sum(chunks[ch * plan.pp + s][0] + chunks[ch * plan.pp + s][1]
+                for ch in range(plan.virtual_stages)) for s in range(plan.pp)]
+
+
+def predict_time(m, plan: Plan, c: Cluster, *, quick: bool = False) -> Prediction:
     """Predicted step; ``quick`` uses the closed form instead of the simulator (for pruning)."""
-    split, V, p = stage_layers(m, plan), plan.pp * plan.virtual_stages, plan.pp
-    act = (plan.mb_size * m.seq_len // plan.cp * m.d_model * c.dtype_bytes
-           / (plan.tp if plan.sequence_parallel else 1))
+    model, p = costing(m, plan, c), plan.pp
     busy_ranks = float(plan.world)
     slow = c.contention(busy_ranks)
     for _ in range(2 if c.cores else 1):  # CPU: re-estimate the busy ranks once
-        tc = (collective_time(c, "send/recv", 2, act, inter=spans_nodes(c, plan, "pp"), world=busy_ranks)
-              + c.overhead["comm"]) if p > 1 else 0.0
-        kinds = {(split[v], v == 0, v == V - 1) for v in range(V)}  # most chunks are alike
-        cost = {k: _chunk_costs(m, plan, c, layers=k[0], embed=k[1], head=k[2], slow=slow,
-                                busy_ranks=busy_ranks) for k in kinds}
-        costs = [cost[split[v], v == 0, v == V - 1] for v in range(V)]
+        tc = (collective_time(c, "send/recv", 2, model.message(), inter=spans_nodes(c, plan, "pp"),
+                              world=busy_ranks) + c.overhead["comm"]) if p > 1 else 0.0
+        costs = model.chunks(slow, busy_ranks)
         fwd, bwd = [x[0] for x in costs], [x[1] for x in costs]
         makespan, ends, bubble, method = _makespan(plan.schedule, p, plan.microbatches,
                                                    plan.virtual_stages, tuple(fwd), tuple(bwd), tc, quick)
@@ -215,7 +272,7 @@ def predict_time(m: ModelConfig, plan: Plan, c: Cluster, *, quick: bool = False)
     post = []
     for s in range(p):
         last_bwd = bwd[s]  # chunk 0 of stage s ends the schedule there
-        post.append(_post_schedule(m, plan, c, s, last_bwd, slow))
+        post.append(_post_schedule(model.stage_params(s), plan, c, last_bwd, slow))
     ends_total = [ends[s] + post[s][0] for s in range(p)]
     worst = max(range(p), key=lambda s: ends_total[s])
     tp_comm = sum(costs[ch * p + worst][2] for ch in range(plan.virtual_stages)) * plan.microbatches

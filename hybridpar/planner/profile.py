@@ -1,0 +1,403 @@
+"""What each unit of a model costs, counted by running it on the meta device.
+
+The planner's inputs for a model it has no formula for (a ViT, a ResNet, the user's own spec):
+each unit (stem part, block, head part) is built with the engine's own tensor-parallel plan,
+batch-norm and recomputation wrappers applied (``apply_tp``, ``sync_batchnorm``,
+``apply_recompute``), and run forward and backward on meta tensors shaped like one micro-batch
+(no memory, no arithmetic). Counted per unit, for each recompute setting:
+
+* matmul-class FLOPs, op by op (``torch.utils.flop_counter``: mm, conv, attention; the planner
+  times each at the calibrated rate for its size), forward and backward (recomputation
+  included in backward);
+* the memory traffic of every other op (bytes of its tensor inputs and outputs; views move
+  nothing): the elementwise work a CPU or a GPU is bound by bandwidth on;
+* tensor-parallel collectives (op and bytes), seen as the c10d ops the tp mappings issue;
+* the storages autograd saves for backward, as the runtime's ``ActivationMeter`` counts them
+  (each storage once per chunk, parameters excluded, a checkpoint's kept inputs included, the
+  loss's on the last unit); a storage a unit saves from its input or its output is marked, so
+  that one kept by two adjacent units of the same pipeline chunk is counted once, as at run time;
+* parameters on one tp rank, and the bytes of the unit's output (what crosses a cut after it).
+
+Everything but the parameters is linear in the micro-batch size b (x = x0 + x1 b): two runs,
+at b = 1 and b = 2, give the two coefficients exactly (weight gradients and similar
+per-parameter work are the constant part). A tp degree > 1 needs a process group for the tp
+collectives: a fake one (``torch.distributed``'s "fake" backend: collectives return at once)
+is created for the profile and destroyed after it, so this runs only in a process without
+a process group of its own (the planner's, not a training rank's).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch import nn
+
+from ..models.spec import CROSS_ENTROPY, ModelSpec
+from ..parallel.memory import ActivationMeter, _current
+from ..parallel.pipeline.boundaries import as_tuple
+
+RECOMPUTE = ("none", "selective", "full")
+_COLLECTIVES = {"allreduce_": "all-reduce", "allgather_": "all-gather",
+                "_allgather_base_": "all-gather", "_reduce_scatter_base_": "reduce-scatter",
+                "reduce_scatter_": "reduce-scatter"}
+
+
+@dataclass(frozen=True)
+class Linear:
+    """x0 + x1 * b for a micro-batch of b samples."""
+    x0: float = 0.0
+    x1: float = 0.0
+
+    def at(self, b: float) -> float:
+        return self.x0 + self.x1 * b
+
+    @staticmethod
+    def fit(at1: float, at2: float) -> "Linear":
+        return Linear(2 * at1 - at2, at2 - at1)
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One forward or backward of a unit (micro-batch of b samples)."""
+    matmuls: tuple[float, ...]
+    """FLOPs of each matmul-class op call per sample (they scale with b exactly)."""
+    timed: tuple[float, ...]
+    """The same as a kernel runs them: a causal attention skips its masked half."""
+    traffic: Linear
+    """Bytes read and written by every other op."""
+    comm: tuple[tuple[str, float], ...]
+    """(collective, bytes per sample) of each tp collective, in order."""
+    ops: int = 0
+    """Ops dispatched (each costs the framework's fixed dispatch time)."""
+
+    def flops(self, b: float) -> float:
+        return b * sum(self.matmuls)
+
+
+@dataclass(frozen=True)
+class UnitProfile:
+    name: str
+    params: int
+    """Parameters on one tp rank."""
+    tensors: int
+    fwd: dict
+    """recompute setting -> forward ``Pass``."""
+    bwd: dict
+    """recompute setting -> backward ``Pass`` (recomputation included)."""
+    saved: dict
+    """recompute setting -> Linear bytes autograd keeps for backward (floating, integer)."""
+    shared_in: dict
+    """recompute setting -> per input tensor, Linear bytes of it kept by this unit (0 if not)."""
+    shared_out: dict
+    """recompute setting -> per output tensor, Linear bytes of it kept by this unit."""
+    out_bytes: Linear
+    """Bytes of the unit's output: a pipeline message after it."""
+    consts: dict = field(default_factory=dict)
+    """recompute setting -> {storage id: bytes} of what the unit keeps that existed before it
+    ran (a table the model caches, as RoPE's, shared by every block: a chunk keeps each once);
+    not in ``saved``. Ids are meaningful within one profile."""
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    units: tuple[UnitProfile, ...] = field(default_factory=tuple)
+    tp: int = 1
+    sequence_parallel: bool = False
+
+    def unit(self, name: str) -> UnitProfile:
+        return next(u for u in self.units if u.name == name)
+
+
+class _Counter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Memory traffic of non-matmul ops and the c10d collectives, per pass; ``attention``: the
+    FLOPs of the fused attention kernels (``_Attention``), which the FLOP counter cannot see."""
+
+    def __init__(self):
+        from torch.utils.flop_counter import flop_registry
+        super().__init__()
+        self.registry = flop_registry
+        self.matmuls: list[float] = []
+        self.timed: list[float] = []
+        self.traffic = 0.0
+        self.comm: list[tuple[str, float]] = []
+        self.ops = 0
+        self.created: set[int] = set()
+
+    def summary(self) -> tuple:
+        return tuple(self.matmuls), tuple(self.timed), self.traffic, tuple(self.comm), self.ops
+
+    def attend(self, flops: float, causal: bool) -> None:
+        """A fused attention kernel's FLOPs (counted in full, as MFU counts them; a causal
+        kernel skips the masked half: timed at half)."""
+        self.matmuls.append(flops)
+        self.timed.append(flops / 2 if causal else flops)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        made = {t.untyped_storage()._cdata for t in _flat(out) if isinstance(t, torch.Tensor)}
+        self.created |= made - {t.untyped_storage()._cdata for t in _flat((args, kwargs))
+                                if isinstance(t, torch.Tensor)}  # a view or in-place op makes none
+        ns, name = func.namespace, func._opname
+        self.ops += ns != "c10d"
+        if ns == "c10d":
+            if name in _COLLECTIVES:
+                tensors = [t for t in _flat(args) if isinstance(t, torch.Tensor)]
+                nbytes = max(t.numel() * t.element_size() for t in tensors)
+                if name in ("allgather_", "_allgather_base_"):  # the full (gathered) tensor
+                    nbytes = max(nbytes, sum(t.numel() * t.element_size() for t in tensors[:-1]))
+                self.comm.append((_COLLECTIVES[name], float(nbytes)))
+        elif func.overloadpacket in self.registry:  # one matmul-class call: its FLOPs
+            flops = float(self.registry[func.overloadpacket](*args, **(kwargs or {}), out_val=out))
+            self.matmuls.append(flops)
+            self.timed.append(flops)
+        elif not func.is_view:
+            self.traffic += sum(t.numel() * t.element_size() for t in _flat((args, kwargs, out))
+                                if isinstance(t, torch.Tensor))
+        return out
+
+
+def _flat(x):
+    if isinstance(x, (list, tuple)):
+        for y in x:
+            yield from _flat(y)
+    elif isinstance(x, dict):
+        for y in x.values():
+            yield from _flat(y)
+    else:
+        yield x
+
+
+_counter: list = []  # the _Counter of the pass being profiled (the profile is single-threaded)
+
+
+class _Attention(torch.autograd.Function):
+    """A fused attention kernel (flash / memory-efficient, as SDPA runs on a CPU or a GPU) on meta
+    tensors. SDPA on meta decomposes into the math path, which saves the (s x s) probabilities
+    that no real kernel keeps; the kernels keep q, k, v, the output and an fp32 log-sum-exp per
+    query, and their FLOPs are ``torch.utils.flop_counter``'s (4 s_q s_k e per head forward,
+    2.5x that backward; GQA broadcast inside the kernel)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal):
+        from torch.utils.flop_counter import sdpa_flop_count
+        ctx.causal = causal
+        b, h, n, _ = q.shape  # the kernels' output layout: (b, n, h, e), seen as (b, h, n, e)
+        out = q.new_empty((b, n, h, v.shape[-1])).transpose(1, 2)
+        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+        ctx.save_for_backward(q, k, v, out, lse)
+        if _counter:
+            _counter[-1].attend(float(sdpa_flop_count(q.shape, k.shape, v.shape)), causal)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        from torch.utils.flop_counter import sdpa_backward_flop_count
+        q, k, v, _, _ = ctx.saved_tensors
+        if _counter:
+            _counter[-1].attend(float(sdpa_backward_flop_count(grad.shape, q.shape, k.shape, v.shape)),
+                                ctx.causal)
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None
+
+
+@contextlib.contextmanager
+def _fused_attention():
+    """``F.scaled_dot_product_attention`` on meta tensors runs as ``_Attention`` (patched on the
+    module for the profile's duration: a torch-function mode is not active where a checkpoint
+    recomputes in backward)."""
+    F, sdpa = torch.nn.functional, torch.nn.functional.scaled_dot_product_attention
+
+    def fused(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if q.device.type != "meta" or attn_mask is not None:
+            return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                        scale=scale, enable_gqa=enable_gqa)
+        return _Attention.apply(q, k, v, is_causal)
+
+    F.scaled_dot_product_attention = fused
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = sdpa
+
+
+class _MetaMeter(ActivationMeter):
+    """The runtime meter's rule on meta tensors: storages told apart by their identity."""
+
+    def __init__(self, params):
+        super().__init__([])
+        self.param_ids = {p.untyped_storage()._cdata for p in params}
+        self.kept: dict[int, tuple[int, bool]] = {}
+
+    def record(self, t) -> None:
+        if not isinstance(t, torch.Tensor):
+            return
+        s = t.untyped_storage()
+        if s._cdata not in self.param_ids:
+            self.kept[s._cdata] = (s.nbytes(), t.dtype.is_floating_point)
+
+
+class _FakeMesh:
+    """The few mesh fields ``apply_tp`` reads: tp degree, rank 0, the (fake) world group."""
+
+    def __init__(self, tp: int):
+        import torch.distributed as dist
+        self.layout = type("L", (), {"tp": tp})()
+        self.tp_rank = 0
+        self._group = dist.group.WORLD if tp > 1 else None
+
+    def group(self, axis: str):
+        return self._group
+
+
+@contextlib.contextmanager
+def _fake_world(tp: int):
+    if tp == 1:
+        yield
+        return
+    import torch.distributed as dist
+    if dist.is_initialized():
+        raise RuntimeError("profiling at tp > 1 needs a process without a process group "
+                           "(it creates a fake one for the tp collectives)")
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _leaf(t: torch.Tensor, grad: bool) -> torch.Tensor:
+    """A unit's input: floating ones need a gradient, but not the batch's (the first unit's)."""
+    x = torch.empty(t.shape, dtype=t.dtype, device="meta")
+    return x.requires_grad_(grad and t.dtype.is_floating_point)
+
+
+def _loss(spec: ModelSpec, out, targets, tp: int, vocab_parallel: bool):
+    from ..parallel.tensor_parallel.layers import cross_entropy
+    if spec.loss != CROSS_ENTROPY:
+        return spec.loss(out, targets)
+    if vocab_parallel and tp > 1:
+        import torch.distributed as dist
+        return cross_entropy(out, targets, group=dist.group.WORLD)
+    return cross_entropy(out, targets)
+
+
+def _run(spec: ModelSpec, inputs, targets, *, tp: int, sp: bool, recompute: str) -> list[dict]:
+    """Forward and backward of every unit in turn on meta tensors; one dict per unit."""
+    from ..parallel.batchnorm import sync_batchnorm
+    from ..parallel.parallelize import Stage, apply_recompute
+    from ..parallel.tensor_parallel.apply import apply_tp, style_of
+
+    with torch.device("meta"):
+        model = spec.build()
+    apply_tp(model, _FakeMesh(tp), dict(spec.tp_plan), sequence_parallel=sp)
+    sync_batchnorm(model, None)
+    apply_recompute(model, spec, recompute)
+    vocab_parallel = any("vocab_head" in style_of(dict(spec.tp_plan), u) for u in spec.head)
+    xs, results, seen = as_tuple(inputs), [], {}
+    with torch.no_grad():  # once through: what the model caches on first use exists before
+        Stage(model, list(spec.units), device_type="meta")(*xs)  # any unit is profiled
+    for i, name in enumerate(spec.units):
+        module = model.get_submodule(name)
+        params = list(module.parameters())
+        last = i == len(spec.units) - 1
+        # a unit built like an earlier one (same modules, parameters and inputs: a
+        # transformer's blocks) costs the same: profiled once
+        key = (repr(module), tuple(tuple(q.shape) for q in params),
+               tuple((tuple(x.shape), x.dtype) for x in xs), last)
+        if key in seen:
+            same = results[seen[key]]
+            results.append({**same, "name": name, "same_as": seen[key]})
+            xs = tuple(torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in same["outs"])
+            continue
+        seen[key] = i
+        leaves = tuple(_leaf(x, i > 0) for x in xs)
+        meter = _MetaMeter(model.parameters())
+        counter = _Counter()
+        token = _current.set(meter)
+        try:
+            with _measure(counter):
+                with torch.autograd.graph.saved_tensors_hooks(lambda t: meter.record(t) or t,
+                                                              lambda t: t):
+                    out = Stage(model, [name], device_type="meta")(*leaves)
+                    loss = _loss(spec, out, targets, tp, vocab_parallel) if last else None
+        finally:
+            _current.reset(token)
+        fwd, created = counter.summary(), counter.created
+        outs = as_tuple(out)
+        kept_in = [meter.kept.get(x.untyped_storage()._cdata, (0, True))[0] for x in leaves]
+        kept_out = [meter.kept.get(o.untyped_storage()._cdata, (0, True))[0] for o in outs]
+        counter = _Counter()
+        with _measure(counter):
+            if loss is not None:
+                loss.backward()
+            else:
+                pairs = [(o, torch.ones_like(o)) for o in outs if o.requires_grad]
+                if pairs:
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        bwd = counter.summary()
+        # kept storages made before this unit ran, other than its inputs (a table cached by
+        # the model, a buffer): shared by units, kept once per chunk
+        inputs = {x.untyped_storage()._cdata for x in (*leaves, targets)}
+        consts = {k: n for k, (n, _) in meter.kept.items() if k not in created and k not in inputs}
+        kept = [v for k, v in meter.kept.items() if k not in consts]
+        results.append({"name": name, "params": sum(p.numel() for p in params),
+                        "tensors": len(params), "fwd": fwd, "bwd": bwd,
+                        "saved": (sum(n for n, f in kept if f), sum(n for n, f in kept if not f)),
+                        "consts": consts,
+                        "in": kept_in, "out": kept_out,
+                        "out_bytes": sum(o.numel() * o.element_size() for o in outs),
+                        "outs": [(tuple(o.shape), o.dtype) for o in outs]})
+        xs = tuple(o.detach() for o in outs)
+    return results
+
+
+@contextlib.contextmanager
+def _measure(counter):
+    _counter.append(counter)
+    try:
+        with counter:
+            yield
+    finally:
+        _counter.pop()
+
+
+def profile_spec(spec: ModelSpec, example, *, tp: int = 1, sequence_parallel: bool = False) -> ModelProfile:
+    """The units of ``spec`` on one tp rank; ``example(b)`` gives (inputs, targets) of a
+    micro-batch of b samples (tensors, any device: only shapes and dtypes are used)."""
+    runs = {}
+    with _fake_world(tp), _fused_attention():
+        for rc in RECOMPUTE:
+            for b in (1, 2):
+                inputs, targets = example(b)
+                inputs = tuple(torch.empty(x.shape, dtype=x.dtype, device="meta") for x in as_tuple(inputs))
+                targets = torch.empty(targets.shape, dtype=targets.dtype, device="meta")
+                runs[rc, b] = _run(spec, inputs if len(inputs) > 1 else inputs[0], targets,
+                                   tp=tp, sp=sequence_parallel, recompute=rc)
+    units = []
+    for i, name in enumerate(spec.units):
+        def lin(key, rc="none", j=None):
+            a, b = runs[rc, 1][i][key], runs[rc, 2][i][key]
+            if j is not None:
+                a, b = a[j], b[j]
+            return Linear.fit(a, b)
+
+        def pass_(rc, key):
+            mm, timed, _, comm, ops = runs[rc, 1][i][key]
+            t = Linear.fit(runs[rc, 1][i][key][2], runs[rc, 2][i][key][2])
+            return Pass(mm, timed, t, comm, ops)
+
+        one = runs["none", 1][i]
+        if "same_as" in one and all(runs[k][i].get("same_as") == one["same_as"] for k in runs):
+            units.append(replace(units[one["same_as"]], name=name))  # the same Pass objects
+            continue
+        units.append(UnitProfile(
+            name=name, params=one["params"], tensors=one["tensors"],
+            fwd={rc: pass_(rc, "fwd") for rc in RECOMPUTE},
+            bwd={rc: pass_(rc, "bwd") for rc in RECOMPUTE},
+            saved={rc: (lin("saved", rc, 0), lin("saved", rc, 1)) for rc in RECOMPUTE},
+            shared_in={rc: tuple(lin("in", rc, j) for j in range(len(one["in"]))) for rc in RECOMPUTE},
+            shared_out={rc: tuple(lin("out", rc, j) for j in range(len(one["out"]))) for rc in RECOMPUTE},
+            out_bytes=lin("out_bytes"),
+            consts={rc: dict(runs[rc, 1][i]["consts"]) for rc in RECOMPUTE}))
+    return ModelProfile(tuple(units), tp, sequence_parallel)
