@@ -1,9 +1,11 @@
 """Benchmark (not a test): the planner's predictions against measured training steps.
 
-    python -m hybridpar.tools.validate --profile PROFILE.json [--ranks 2 4 8] [--steps 6]
-        [--repeat 2] [--save RUNS.json]     then, after changing the model:  --replay RUNS.json
+    python -m hybridpar.tools.validate --profile PROFILE.json [--model vit] [--ranks 2 4 8]
+        [--steps 6] [--repeat 2] [--save RUNS.json]  then, after changing the model: --replay RUNS.json
 
-Runs every valid dp x tp x pp layout of 2, 4 and 8 ranks for the default model (fixed
+Runs every valid dp x tp x pp layout of 2, 4 and 8 ranks for a built-in model at its defaults
+(``--model llama|vit|resnet|unet``: the Llama costed by its closed forms, the others by their
+meta-device profile; a pipelined layout runs the split the planner costed) (fixed
 micro-batches, 1F1B) for a few steps on this machine, and prints the predicted and measured
 step time (median of the steps after the warm-up ones) and memory side by side with the relative
 error, then the median |error| and the worst case. With ``--repeat R`` every layout is measured
@@ -26,18 +28,25 @@ import statistics
 import time
 from dataclasses import asdict, replace
 
-from ..config import Config, ParallelConfig, TrainConfig
+from ..config import Config, ModelConfig, ParallelConfig, TrainConfig
 from ..planner.cluster import Cluster, load_cluster
 from ..planner.costs import Plan, memory
 from ..planner.search import MODELS, candidates
 from ..planner.timing import predict_time
 
 
-def layouts(c: Cluster, world: int, global_batch: int, microbatches: int) -> list[Plan]:
+def model_of(name: str):
+    """What the planner costs for a built-in model at its defaults (``cli.plan.model_for``)."""
+    from ..cli.plan import model_for
+    return model_for(Config(model=ModelConfig(name=name)) if name not in ("default", "llama")
+                     else Config(model=MODELS["default"]))
+
+
+def layouts(c: Cluster, world: int, global_batch: int, microbatches: int, m=None) -> list[Plan]:
     fixed = {"microbatches": microbatches, "schedule": "1f1b", "recompute": "none", "zero1": False,
              "sequence_parallel": False}
     cw = replace(c, nodes=1, devices_per_node=world)
-    return candidates(MODELS["default"], cw, global_batch, fixed=fixed, max_mb=global_batch)
+    return candidates(m or MODELS["default"], cw, global_batch, fixed=fixed, max_mb=global_batch)
 
 
 def _worker(cfg: Config, steps: int) -> list[dict] | None:
@@ -46,18 +55,21 @@ def _worker(cfg: Config, steps: int) -> list[dict] | None:
     from ..engine.train import Trainer
 
     mesh = setup(cfg)
-    trainer = Trainer(cfg, mesh, dataset=tiny_dataset())
+    trainer = Trainer(cfg, mesh, dataset=tiny_dataset() if cfg.model.name == "llama" else None)
     history = [trainer.train_step() for _ in range(steps)]
     del trainer
     teardown(mesh)
     return history if mesh.rank == 0 else None
 
 
-def measure(plan: Plan, *, steps: int, warmup: int, global_batch: int) -> dict:
+def measure(plan: Plan, *, steps: int, warmup: int, global_batch: int, model: str = "llama",
+            split: tuple[int, ...] | None = None) -> dict:
     from ..engine.launch import spawn
 
-    cfg = Config(parallel=ParallelConfig(dp=plan.dp, tp=plan.tp, pp=plan.pp,
-                                         microbatches=plan.microbatches, schedule=plan.schedule),
+    cfg = Config(model=ModelConfig(name=model if model != "default" else "llama"),
+                 parallel=ParallelConfig(dp=plan.dp, tp=plan.tp, pp=plan.pp,
+                                         microbatches=plan.microbatches, schedule=plan.schedule,
+                                         pp_split=",".join(map(str, split)) if split and plan.pp > 1 else ""),
                  train=TrainConfig(steps=steps, global_batch=global_batch, eval_every=0, progress=False))
     hist = spawn(_worker, plan.world, cfg, steps)[0]
     last = hist[-1]
@@ -70,10 +82,18 @@ def _err(pred: float, meas: float) -> float:
     return (pred - meas) / meas
 
 
-def report(runs: list[dict], base: Cluster) -> None:
+def _split(m, plan: Plan, c: Cluster):
+    """The blocks per stage the prediction assumes (a spec model's), None for the Llama."""
+    if isinstance(m, ModelConfig):
+        return None
+    from ..planner.spec_model import split_for
+    return split_for(m, plan, c, m.pp_split)
+
+
+def report(runs: list[dict], base: Cluster, m=None) -> None:
     """Print predicted vs measured for ``runs`` (measurements, predicted now: so a model change
     can be checked against a saved run with --replay)."""
-    m = MODELS["default"]
+    m = m or MODELS["default"]
     head = (f"{'layout':28s} {'pred s':>7} {'meas s':>7} {'err':>6}   {'pred MiB':>8} {'meas MiB':>8} "
             f"{'err':>6}   {'rss MiB':>7} {'load':>5} {'spread':>6}  (pred/meas activ MiB)")
     print(head + "\n" + "-" * len(head))
@@ -106,6 +126,8 @@ def report(runs: list[dict], base: Cluster) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m hybridpar.tools.validate")
     ap.add_argument("--profile", default="cpu", help="calibrated profile JSON (or the cpu preset)")
+    ap.add_argument("--model", default="llama", choices=("llama", "vit", "resnet", "unet"),
+                    help="built-in model, at its defaults")
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--repeat", type=int, default=1,
@@ -119,18 +141,21 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     base = load_cluster(a.profile)
+    m = model_of(a.model)
     if a.replay:
         with open(a.replay) as fh:
-            report(json.load(fh), base)
+            report(json.load(fh), base, m)
         return 0
-    print(f"default model, global batch {a.global_batch}, {a.microbatches} micro-batches, 1F1B; "
+    print(f"{a.model} at its defaults, global batch {a.global_batch}, {a.microbatches} micro-batches, 1F1B; "
           f"profile {a.profile}; {os.cpu_count()} cores; median of steps {a.warmup + 1}..{a.steps}",
           flush=True)
-    plans = [p for world in a.ranks for p in layouts(base, world, a.global_batch, a.microbatches)]
+    plans = [p for world in a.ranks for p in layouts(base, world, a.global_batch, a.microbatches, m)]
     runs, t0 = [], time.time()
     for rep in range(a.repeat):  # whole passes: a layout's repeats are minutes apart
         for i, plan in enumerate(plans):
-            got = measure(plan, steps=a.steps, warmup=a.warmup, global_batch=a.global_batch)
+            cw = replace(base, nodes=1, devices_per_node=plan.world)
+            got = measure(plan, steps=a.steps, warmup=a.warmup, global_batch=a.global_batch,
+                          model=a.model, split=_split(m, plan, cw))
             if rep == 0:
                 runs.append({"plan": asdict(plan), **{k: v for k, v in got.items() if k != "parts"},
                              "activations": got["parts"]["activations"], "step_times": []})
@@ -143,7 +168,7 @@ def main(argv=None) -> int:
                 with open(a.save, "w") as fh:
                     json.dump(runs, fh, indent=1)
     print(f"{len(runs)} layouts in {time.time() - t0:.0f} s\n")
-    report(runs, base)
+    report(runs, base, m)
     return 0
 
 

@@ -1,0 +1,119 @@
+"""Benchmark (not a test): the automatic pipeline split against the split by count.
+
+    python -m hybridpar.tools.split_bench [--profile PROFILE.json] [--pps 2 4] [--steps 8]
+
+Trains the ResNet (whose blocks differ in cost: full-resolution blocks move more bytes per
+FLOP than the later, narrower-in-space ones, and a transition block adds a projection) at
+dp=1, pp=2 and pp=4, 1F1B, once with ``pp_split`` by count and once with the split the planner
+chooses, alternating the two over ``--rounds``. Prints per layout: the blocks per stage, the
+predicted forward+backward of one micro-batch on each stage, the measured one (the stage's
+forward and backward actions summed over the step, over the micro-batches; median of the
+steps after the warm-up), the error of the slowest stage's prediction, and the measured step
+time with its ratio to the split by count measured in the same run.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+from dataclasses import replace
+
+from ..config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig, pp_split
+
+
+def _worker(cfg: Config, steps: int) -> dict | None:
+    import torch.distributed as dist
+
+    from ..engine.launch import setup, teardown
+    from ..engine.train import Trainer
+    from ..parallel.pipeline.schedules import Op
+
+    mesh = setup(cfg)
+    trainer = Trainer(cfg, mesh)
+    busy = [0.0]
+
+    def on_action(a, t0, t1):
+        if a.op in (Op.FWD, Op.BWD):
+            busy[0] += t1 - t0
+
+    trainer.runner.on_action = on_action
+    per_step, steps_s = [], []
+    for _ in range(steps):
+        busy[0] = 0.0
+        h = trainer.train_step()
+        per_step.append(busy[0] / cfg.parallel.microbatches)
+        steps_s.append(h["step_time_s"])
+    out = [None] * mesh.layout.world_size
+    dist.all_gather_object(out, (mesh.pp_rank, per_step))
+    split = [len([u for u in units if u in trainer.pm.spec.blocks]) for units in trainer.pm.stage_units]
+    del trainer
+    teardown(mesh)
+    if mesh.rank:
+        return None
+    stages = {}
+    for stage, times in out:
+        stages.setdefault(stage, times)
+    return {"stages": stages, "step_times": steps_s, "split": split}
+
+
+def main(argv=None) -> int:
+    from ..engine.launch import spawn
+    from ..planner.cluster import load_cluster
+    from ..planner.costs import Plan
+    from ..planner.spec_model import SpecModel, split_for
+    from ..planner.timing import stage_times
+
+    ap = argparse.ArgumentParser(prog="python -m hybridpar.tools.split_bench")
+    ap.add_argument("--profile", default="cpu", help="calibrated profile JSON (or the cpu preset)")
+    ap.add_argument("--pps", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--global-batch", type=int, default=64)
+    ap.add_argument("--image-size", type=int, default=16, help="synthetic images of this size")
+    ap.add_argument("--n-layers", type=int, default=8, help="ResNet blocks")
+    a = ap.parse_args(argv)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    model = ModelConfig(name="resnet", n_layers=a.n_layers, image_size=a.image_size, channels=3)
+    base = load_cluster(a.profile)
+    print(f"resnet {a.n_layers} blocks on synthetic {a.image_size}x{a.image_size}x3 images, global "
+          f"batch {a.global_batch}, {a.microbatches} micro-batches, 1F1B; profile {a.profile}; "
+          f"{os.cpu_count()} cores; medians of steps {a.warmup + 1}..{a.steps} over {a.rounds} rounds\n",
+          flush=True)
+    head = (f"{'pp':>2} {'split':>8} {'blocks':>10} {'pred stage ms':>28} {'meas stage ms':>28} "
+            f"{'slowest err':>11} {'step s':>7} {'vs count':>8}")
+    rows = []
+    for pp in a.pps:
+        c = replace(base, nodes=1, devices_per_node=pp)
+        plan = Plan(1, 1, pp, a.microbatches, a.global_batch // a.microbatches)
+        spec_model = SpecModel(model)
+        splits = {"count": tuple(pp_split(a.n_layers, pp)), "auto": split_for(spec_model, plan, c, "auto")}
+        got: dict[str, list] = {k: [] for k in splits}
+        for _ in range(a.rounds):
+            for name, split in splits.items():
+                cfg = Config(model=model, data=DataConfig(images="synthetic"),
+                             parallel=ParallelConfig(dp=1, pp=pp, microbatches=a.microbatches,
+                                                     pp_split=",".join(map(str, split))),
+                             train=TrainConfig(steps=a.steps, global_batch=a.global_batch,
+                                               eval_every=0, progress=False))
+                got[name].append(spawn(_worker, pp, cfg, a.steps)[0])
+                print(f"measured pp={pp} {name} {split}", flush=True)
+        for name, split in splits.items():
+            pred = stage_times(SpecModel(model, pp_split=",".join(map(str, split))), plan, c)
+            meas = [statistics.median(t for r in got[name] for t in r["stages"][s][a.warmup:])
+                    for s in range(pp)]
+            step = statistics.median(t for r in got[name] for t in r["step_times"][a.warmup:])
+            rows.append((pp, name, split, pred, meas, step))
+    print(head + "\n" + "-" * len(head))
+    count_step = {pp: step for pp, name, _, _, _, step in rows if name == "count"}
+    for pp, name, split, pred, meas, step in rows:
+        err = (max(pred) - max(meas)) / max(meas)
+        print(f"{pp:2d} {name:>8} {','.join(map(str, split)):>10} "
+              f"{' '.join(f'{1e3 * x:6.2f}' for x in pred):>28} {' '.join(f'{1e3 * x:6.2f}' for x in meas):>28} "
+              f"{err:+11.1%} {step:7.3f} {count_step[pp] / step:7.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
