@@ -87,7 +87,10 @@ def batch_stats(x: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor, flo
     n = n_k.sum()
     mean = (n_k[:, None] * m_k).sum(0) / n
     var = (m2_k.sum(0) + (n_k[:, None] * (m_k - mean) ** 2).sum(0)) / n
-    return mean, var, float(n)
+    # the count for the running variance's n/(n-1): every dp rank's micro-batch has the same
+    # rows (the global batch divides by dp), so it is known without a host sync (float(n) would
+    # wait for the all-reduce on a GPU, once per BatchNorm and micro-batch)
+    return mean, var, n_r * size
 
 
 def _forward(bn: _BatchNorm, group, x: torch.Tensor) -> torch.Tensor:

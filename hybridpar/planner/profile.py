@@ -66,10 +66,13 @@ class Pass:
     """The same as a kernel runs them: a causal attention skips its masked half."""
     traffic: Linear
     """Bytes read and written by every other op."""
-    comm: tuple[tuple[str, float], ...]
-    """(collective, bytes per sample) of each tp collective, in order."""
+    comm: tuple[tuple[str, Linear], ...]
+    """(collective, bytes) of each tp collective, in order."""
     ops: int = 0
     """Ops dispatched (each costs the framework's fixed dispatch time)."""
+    dp_comm: tuple[tuple[str, Linear], ...] = ()
+    """(collective, bytes) of each collective over the data-parallel replicas inside the pass
+    (SyncBatchNorm's statistics), in order."""
 
     def flops(self, b: float) -> float:
         return b * sum(self.matmuls)
@@ -113,9 +116,11 @@ class _Counter(torch.utils._python_dispatch.TorchDispatchMode):
     """Memory traffic of non-matmul ops and the c10d collectives, per pass; ``attention``: the
     FLOPs of the fused attention kernels (``_Attention``), which the FLOP counter cannot see."""
 
-    def __init__(self):
+    def __init__(self, dp_group=None):
         from torch.utils.flop_counter import flop_registry
         super().__init__()
+        self.dp_group = dp_group
+        self.dp_comm: list[tuple[str, float]] = []
         self.registry = flop_registry
         self.matmuls: list[float] = []
         self.timed: list[float] = []
@@ -125,7 +130,20 @@ class _Counter(torch.utils._python_dispatch.TorchDispatchMode):
         self.created: set[int] = set()
 
     def summary(self) -> tuple:
-        return tuple(self.matmuls), tuple(self.timed), self.traffic, tuple(self.comm), self.ops
+        return (tuple(self.matmuls), tuple(self.timed), self.traffic, tuple(self.comm), self.ops,
+                tuple(self.dp_comm))
+
+    @staticmethod
+    def _group(args):
+        """The process group a c10d op runs on (passed boxed, as a script object)."""
+        import torch.distributed as dist
+        for a in args:
+            if isinstance(a, torch.ScriptObject):
+                try:
+                    return dist.ProcessGroup.unbox(a)
+                except (RuntimeError, TypeError):
+                    continue
+        return None
 
     def attend(self, flops: float, causal: bool) -> None:
         """A fused attention kernel's FLOPs (counted in full, as MFU counts them; a causal
@@ -146,7 +164,8 @@ class _Counter(torch.utils._python_dispatch.TorchDispatchMode):
                 nbytes = max(t.numel() * t.element_size() for t in tensors)
                 if name in ("allgather_", "_allgather_base_"):  # the full (gathered) tensor
                     nbytes = max(nbytes, sum(t.numel() * t.element_size() for t in tensors[:-1]))
-                self.comm.append((_COLLECTIVES[name], float(nbytes)))
+                (self.dp_comm if self._group(args) is self.dp_group else self.comm).append(
+                    (_COLLECTIVES[name], float(nbytes)))
         elif func.overloadpacket in self.registry:  # one matmul-class call: its FLOPs
             flops = float(self.registry[func.overloadpacket](*args, **(kwargs or {}), out_val=out))
             self.matmuls.append(flops)
@@ -237,31 +256,39 @@ class _MetaMeter(ActivationMeter):
 
 
 class _FakeMesh:
-    """The few mesh fields ``apply_tp`` reads: tp degree, rank 0, the (fake) world group."""
+    """The few mesh fields ``apply_tp`` reads: tp degree, rank 0, the fake tp group."""
 
-    def __init__(self, tp: int):
-        import torch.distributed as dist
+    def __init__(self, tp: int, group):
         self.layout = type("L", (), {"tp": tp})()
         self.tp_rank = 0
-        self._group = dist.group.WORLD if tp > 1 else None
+        self._group = group
 
     def group(self, axis: str):
         return self._group
 
 
 @contextlib.contextmanager
-def _fake_world(tp: int):
-    if tp == 1:
-        yield
-        return
+def _fake_world(tp: int, dp_sync: bool = True):
+    """(tp group, dp group) of a fake world of 2 tp groups (the collectives return at once):
+    the tp collectives and the data-parallel ones the model makes in its forward and backward
+    (SyncBatchNorm's statistics) are told apart by group. In a process that has a process
+    group (a training rank choosing its pipeline split) only tp = 1 is profiled, without
+    them: (None, None)."""
     import torch.distributed as dist
     if dist.is_initialized():
-        raise RuntimeError("profiling at tp > 1 needs a process without a process group "
-                           "(it creates a fake one for the tp collectives)")
+        if tp > 1:
+            raise RuntimeError("profiling at tp > 1 needs a process without a process group "
+                               "(it creates a fake one for the tp collectives)")
+        yield None, None
+        return
+    if tp == 1 and not dp_sync:
+        yield None, None
+        return
     from torch.testing._internal.distributed.fake_pg import FakeStore
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2 * tp if dp_sync else tp)
     try:
-        yield
+        tp_group = dist.new_group(list(range(tp))) if tp > 1 else None
+        yield tp_group, dist.new_group([0, tp]) if dp_sync else None
     finally:
         dist.destroy_process_group()
 
@@ -272,17 +299,17 @@ def _leaf(t: torch.Tensor, grad: bool) -> torch.Tensor:
     return x.requires_grad_(grad and t.dtype.is_floating_point)
 
 
-def _loss(spec: ModelSpec, out, targets, tp: int, vocab_parallel: bool):
+def _loss(spec: ModelSpec, out, targets, tp_group, vocab_parallel: bool):
     from ..parallel.tensor_parallel.layers import cross_entropy
     if spec.loss != CROSS_ENTROPY:
         return spec.loss(out, targets)
-    if vocab_parallel and tp > 1:
-        import torch.distributed as dist
-        return cross_entropy(out, targets, group=dist.group.WORLD)
+    if vocab_parallel and tp_group is not None:
+        return cross_entropy(out, targets, group=tp_group)
     return cross_entropy(out, targets)
 
 
-def _run(spec: ModelSpec, inputs, targets, *, tp: int, sp: bool, recompute: str) -> list[dict]:
+def _run(spec: ModelSpec, inputs, targets, *, tp: int, sp: bool, recompute: str,
+         groups=(None, None)) -> list[dict]:
     """Forward and backward of every unit in turn on meta tensors; one dict per unit."""
     from ..parallel.batchnorm import sync_batchnorm
     from ..parallel.parallelize import Stage, apply_recompute
@@ -290,8 +317,9 @@ def _run(spec: ModelSpec, inputs, targets, *, tp: int, sp: bool, recompute: str)
 
     with torch.device("meta"):
         model = spec.build()
-    apply_tp(model, _FakeMesh(tp), dict(spec.tp_plan), sequence_parallel=sp)
-    sync_batchnorm(model, None)
+    tp_group, dp_group = groups
+    apply_tp(model, _FakeMesh(tp, tp_group), dict(spec.tp_plan), sequence_parallel=sp)
+    sync_batchnorm(model, dp_group)
     apply_recompute(model, spec, recompute)
     vocab_parallel = any("vocab_head" in style_of(dict(spec.tp_plan), u) for u in spec.head)
     xs, results, seen = as_tuple(inputs), [], {}
@@ -313,21 +341,21 @@ def _run(spec: ModelSpec, inputs, targets, *, tp: int, sp: bool, recompute: str)
         seen[key] = i
         leaves = tuple(_leaf(x, i > 0) for x in xs)
         meter = _MetaMeter(model.parameters())
-        counter = _Counter()
+        counter = _Counter(dp_group)
         token = _current.set(meter)
         try:
             with _measure(counter):
                 with torch.autograd.graph.saved_tensors_hooks(lambda t: meter.record(t) or t,
                                                               lambda t: t):
                     out = Stage(model, [name], device_type="meta")(*leaves)
-                    loss = _loss(spec, out, targets, tp, vocab_parallel) if last else None
+                    loss = _loss(spec, out, targets, tp_group, vocab_parallel) if last else None
         finally:
             _current.reset(token)
         fwd, created = counter.summary(), counter.created
         outs = as_tuple(out)
         kept_in = [meter.kept.get(x.untyped_storage()._cdata, (0, True))[0] for x in leaves]
         kept_out = [meter.kept.get(o.untyped_storage()._cdata, (0, True))[0] for o in outs]
-        counter = _Counter()
+        counter = _Counter(dp_group)
         with _measure(counter):
             if loss is not None:
                 loss.backward()
@@ -362,42 +390,48 @@ def _measure(counter):
         _counter.pop()
 
 
-def profile_spec(spec: ModelSpec, example, *, tp: int = 1, sequence_parallel: bool = False) -> ModelProfile:
-    """The units of ``spec`` on one tp rank; ``example(b)`` gives (inputs, targets) of a
-    micro-batch of b samples (tensors, any device: only shapes and dtypes are used)."""
+def profile_spec(spec: ModelSpec, example, *, tp: int = 1, sequence_parallel: bool = False,
+                 settings: tuple[str, ...] = RECOMPUTE, dp_sync: bool = True) -> ModelProfile:
+    """The units of ``spec`` on one tp rank, for the recompute ``settings``; ``example(b)``
+    gives (inputs, targets) of a micro-batch of b samples (tensors, any device: only shapes
+    and dtypes are used). ``dp_sync``: as a rank with data-parallel replicas (SyncBatchNorm
+    all-reduces its statistics and keeps their table, of 2 replicas here), or as the only one."""
     runs = {}
-    with _fake_world(tp), _fused_attention():
-        for rc in RECOMPUTE:
+    with _fake_world(tp, dp_sync) as groups, _fused_attention():
+        for rc in settings:
             for b in (1, 2):
                 inputs, targets = example(b)
                 inputs = tuple(torch.empty(x.shape, dtype=x.dtype, device="meta") for x in as_tuple(inputs))
                 targets = torch.empty(targets.shape, dtype=targets.dtype, device="meta")
                 runs[rc, b] = _run(spec, inputs if len(inputs) > 1 else inputs[0], targets,
-                                   tp=tp, sp=sequence_parallel, recompute=rc)
+                                   tp=tp, sp=sequence_parallel, recompute=rc, groups=groups)
     units = []
     for i, name in enumerate(spec.units):
-        def lin(key, rc="none", j=None):
+        def lin(key, rc=settings[0], j=None):
             a, b = runs[rc, 1][i][key], runs[rc, 2][i][key]
             if j is not None:
                 a, b = a[j], b[j]
             return Linear.fit(a, b)
 
         def pass_(rc, key):
-            mm, timed, _, comm, ops = runs[rc, 1][i][key]
-            t = Linear.fit(runs[rc, 1][i][key][2], runs[rc, 2][i][key][2])
-            return Pass(mm, timed, t, comm, ops)
+            mm, timed, _, _, ops, _ = one_ = runs[rc, 1][i][key]
+            two = runs[rc, 2][i][key]
+            t = Linear.fit(one_[2], two[2])
+            comm, dp = ((tuple((op, Linear.fit(x, y)) for (op, x), (_, y) in zip(one_[j], two[j])))
+                        for j in (3, 5))
+            return Pass(mm, timed, t, comm, ops, dp)
 
-        one = runs["none", 1][i]
+        one = runs[settings[0], 1][i]
         if "same_as" in one and all(runs[k][i].get("same_as") == one["same_as"] for k in runs):
             units.append(replace(units[one["same_as"]], name=name))  # the same Pass objects
             continue
         units.append(UnitProfile(
             name=name, params=one["params"], tensors=one["tensors"],
-            fwd={rc: pass_(rc, "fwd") for rc in RECOMPUTE},
-            bwd={rc: pass_(rc, "bwd") for rc in RECOMPUTE},
-            saved={rc: (lin("saved", rc, 0), lin("saved", rc, 1)) for rc in RECOMPUTE},
-            shared_in={rc: tuple(lin("in", rc, j) for j in range(len(one["in"]))) for rc in RECOMPUTE},
-            shared_out={rc: tuple(lin("out", rc, j) for j in range(len(one["out"]))) for rc in RECOMPUTE},
+            fwd={rc: pass_(rc, "fwd") for rc in settings},
+            bwd={rc: pass_(rc, "bwd") for rc in settings},
+            saved={rc: (lin("saved", rc, 0), lin("saved", rc, 1)) for rc in settings},
+            shared_in={rc: tuple(lin("in", rc, j) for j in range(len(one["in"]))) for rc in settings},
+            shared_out={rc: tuple(lin("out", rc, j) for j in range(len(one["out"]))) for rc in settings},
             out_bytes=lin("out_bytes"),
-            consts={rc: dict(runs[rc, 1][i]["consts"]) for rc in RECOMPUTE}))
+            consts={rc: dict(runs[rc, 1][i]["consts"]) for rc in settings}))
     return ModelProfile(tuple(units), tp, sequence_parallel)

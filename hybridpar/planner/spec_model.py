@@ -33,7 +33,7 @@ import torch
 from ..config import ConfigError, ModelConfig, pp_split
 from ..models.spec import ModelSpec
 from .cluster import Cluster
-from .profile import ModelProfile, UnitProfile, profile_spec
+from .profile import RECOMPUTE, ModelProfile, UnitProfile, profile_spec
 
 
 def example_batch(spec: ModelSpec, m: ModelConfig, cfg=None):
@@ -56,9 +56,9 @@ class SpecModel:
     1 (an image), for the throughput column."""
 
     def __init__(self, config: ModelConfig, spec: ModelSpec | None = None, cfg=None, *,
-                 pp_split: str = ""):
+                 pp_split: str = "", settings: tuple[str, ...] = RECOMPUTE):
         from ..models import spec_for
-        self.config, self.pp_split = config, pp_split
+        self.config, self.pp_split, self.settings = config, pp_split, settings
         self.spec = spec or spec_for(config)
         self.example = example_batch(self.spec, config, cfg)
         self.per_sample = config.seq_len if self.spec.data == "text" else 1
@@ -79,10 +79,19 @@ class SpecModel:
     def seq_len(self) -> int:
         return self.config.seq_len
 
-    def profile(self, tp: int, sp: bool = False) -> ModelProfile:
-        key = (tp, sp and tp > 1)
+    def profile(self, tp: int, sp: bool = False, dp_sync: bool = True) -> ModelProfile:
+        """The units at this tp degree, as run with data-parallel replicas (``dp_sync``) or
+        without: they differ only for a model that synchronises across them (SyncBatchNorm)."""
+        key = (tp, sp and tp > 1, dp_sync)
         if key not in self._profiles:
-            self._profiles[key] = profile_spec(self.spec, self.example, tp=tp, sequence_parallel=key[1])
+            synced = key[:2] + (True,)
+            if not dp_sync and synced in self._profiles and not any(
+                    u.fwd[r].dp_comm or u.bwd[r].dp_comm for u in self._profiles[synced].units
+                    for r in self.settings):
+                self._profiles[key] = self._profiles[synced]
+            else:
+                self._profiles[key] = profile_spec(self.spec, self.example, tp=tp, sequence_parallel=key[1],
+                                                   settings=self.settings, dp_sync=dp_sync)
         return self._profiles[key]
 
     def check_tp(self, tp: int, sp: bool) -> str | None:
@@ -118,7 +127,7 @@ class SpecModel:
         """Forward FLOPs of one sample: the spec's (flops_per_sample / 3) or the profile's."""
         if self.spec.flops_per_sample:
             return self.spec.flops_per_sample / 3
-        return sum(sum(u.fwd["none"].matmuls) for u in self.profile(1).units)
+        return sum(sum(u.fwd[self.settings[0]].matmuls) for u in self.profile(1).units)
 
     def step_flops(self, global_batch: int) -> float:
         return 3.0 * self.sample_flops() * global_batch
@@ -156,31 +165,36 @@ def op_overhead(c: Cluster) -> float:
 # ---- time -----------------------------------------------------------------------------------
 
 def pass_time(u: UnitProfile, kind: str, recompute: str, c: Cluster, b: int, *, threads: int,
-              slow: float, tp: int, world: float) -> tuple[float, float]:
-    """(seconds, of which tp communication) of one forward or backward of unit ``u``."""
+              slow: float, tp: int, world: float, replicas: int = 1,
+              inter: bool = False) -> tuple[float, float]:
+    """(seconds, of which communication) of one forward or backward of unit ``u``: its tp
+    collectives over tp ranks, its data-parallel ones (SyncBatchNorm) over the ``replicas``."""
     from .costs import collective_time
     ps = (u.fwd if kind == "fwd" else u.bwd)[recompute]
     scale = c.dtype_bytes / 4
     mm = sum(b * f / c.flop_rate(b * f, threads) for f in ps.timed if f > 0)
     ew = max(ps.traffic.at(b), 0.0) * scale * traffic_scale() / c.elementwise_bw(threads)
     compute = (mm + ew + ps.ops * op_overhead(c)) * slow
-    comm = sum(collective_time(c, op, tp, nbytes * b * scale, world=world) for op, nbytes in ps.comm)
+    comm = sum(collective_time(c, op, tp, nbytes.at(b) * scale, world=world) for op, nbytes in ps.comm)
+    comm += sum(collective_time(c, op, replicas, nbytes.at(b), inter=inter, world=world)
+                for op, nbytes in ps.dp_comm)  # statistics: fp32 under any precision
     return compute + comm, comm
 
 
 def unit_times(model: SpecModel, plan, c: Cluster, *, threads: int = 1, slow: float = 1.0,
                busy_ranks: float = 0.0, tp: int | None = None) -> dict[str, tuple[float, float, float]]:
     """Per unit: (forward s, backward s, tp communication s) of one micro-batch."""
+    from .costs import spans_nodes
     tp = plan.tp if tp is None else tp
-    prof = model.profile(tp, plan.sequence_parallel)
+    prof = model.profile(tp, plan.sequence_parallel, plan.replicas > 1)
+    kw = dict(threads=threads, slow=slow, tp=tp, world=busy_ranks, replicas=plan.replicas,
+              inter=spans_nodes(c, plan, "dp"))
     out, done = {}, {}
     for u in prof.units:
         key = id(u.fwd[plan.recompute])  # units profiled as one (identical blocks) share it
         if key not in done:
-            f, cf = pass_time(u, "fwd", plan.recompute, c, plan.mb_size, threads=threads, slow=slow,
-                              tp=tp, world=busy_ranks)
-            bk, cb = pass_time(u, "bwd", plan.recompute, c, plan.mb_size, threads=threads, slow=slow,
-                               tp=tp, world=busy_ranks)
+            f, cf = pass_time(u, "fwd", plan.recompute, c, plan.mb_size, **kw)
+            bk, cb = pass_time(u, "bwd", plan.recompute, c, plan.mb_size, **kw)
             done[key] = (f, bk, cf + cb)
         out[u.name] = done[key]
     return out
@@ -265,7 +279,7 @@ def chunk_units(model: SpecModel, split: tuple[int, ...]) -> list[list[str]]:
 def chunk_activations(model: SpecModel, plan, c: Cluster, units: list[str]) -> float:
     """Bytes one micro-batch's forward of these units keeps for backward (the runtime meter's
     count: a storage once per chunk)."""
-    prof = model.profile(plan.tp, plan.sequence_parallel)
+    prof = model.profile(plan.tp, plan.sequence_parallel, plan.replicas > 1)
     b, rc, scale = plan.mb_size, plan.recompute, c.dtype_bytes / 4
     total, prev, consts = 0.0, None, {}
     for name in units:
@@ -330,7 +344,7 @@ def pipeline_split(cfg, spec: ModelSpec, device_type: str = "cpu", example=None)
     even = pp_split(n, parts)
     if p.pp == 1 or p.virtual_stages > 1:
         return even, "by count"
-    model = SpecModel(cfg.model, spec, cfg)
+    model = SpecModel(cfg.model, spec, cfg, settings=(p.recompute,))
     if example is not None:
         model.example = example
     c = PRESETS["h100-80g" if device_type == "cuda" else "cpu"]

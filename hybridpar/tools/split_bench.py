@@ -43,8 +43,9 @@ def _worker(cfg: Config, steps: int) -> dict | None:
         h = trainer.train_step()
         per_step.append(busy[0] / cfg.parallel.microbatches)
         steps_s.append(h["step_time_s"])
-    out = [None] * mesh.layout.world_size
-    dist.all_gather_object(out, (mesh.pp_rank, per_step))
+    out = [(mesh.pp_rank, per_step)] * mesh.layout.world_size
+    if dist.is_initialized():
+        dist.all_gather_object(out, (mesh.pp_rank, per_step))
     split = [len([u for u in units if u in trainer.pm.spec.blocks]) for units in trainer.pm.stage_units]
     del trainer
     teardown(mesh)
