@@ -253,3 +253,25 @@ def test_plan_command_gives_the_split_it_predicted(capsys):
     out = capsys.readouterr().out
     assert "best layout's pipeline stages:" in out, out
     assert "--parallel.pp_split=" in out.splitlines()[-1]
+
+
+def test_convolutions_are_timed_at_the_calibrated_convolution_rate(tmp_path):
+    """A profile keeps convolution calls apart; a cluster with a convolution table times them
+    by it (saved and loaded with the profile), one without by the matmul table."""
+    from dataclasses import replace
+
+    from hybridpar.planner.cluster import load_profile, save_profile
+
+    prof = profile_spec(_toy_spec(), _toy_example)
+    conv = prof.units[0]
+    assert conv.fwd["none"].convs == (2 * 4 * H * H * C * 3 * 3,) and conv.fwd["none"].timed == ()
+    c = load_cluster("cpu")
+    slow = replace(c, conv={1: [(1e3, 1e8), (1e9, 1e9)]})
+    path = tmp_path / "p.json"
+    save_profile(slow, str(path))
+    loaded = load_profile(str(path))
+    assert loaded.conv == {1: [(1e3, 1e8), (1e9, 1e9)]}
+    assert loaded.conv_rate(1e6) < c.conv_rate(1e6) == c.flop_rate(1e6)
+    t = sm.pass_time(conv, "fwd", "none", loaded, 2, threads=1, slow=1.0, tp=1, world=0)[0]
+    t0 = sm.pass_time(conv, "fwd", "none", c, 2, threads=1, slow=1.0, tp=1, world=0)[0]
+    assert t > t0

@@ -45,6 +45,10 @@ class Cluster:
     """{threads per rank: [(matmul flops, achieved FLOP/s), ...]} sorted by flops."""
     mem_bw: dict = field(default_factory=dict)
     """{threads per rank: elementwise bytes/s}."""
+    conv: dict = field(default_factory=dict)
+    """{threads per rank: [(convolution flops, achieved FLOP/s), ...]}; empty: the matmul table."""
+    conv_bwd: dict = field(default_factory=dict)
+    """The same for a convolution's backward (input and weight gradients, 2x the FLOPs)."""
     intra: Link = Link(10e-6, 230e9)
     inter: Link = Link(20e-6, 23e9)
     collectives: dict = field(default_factory=dict)
@@ -101,19 +105,32 @@ class Cluster:
 
     def flop_rate(self, flops: float, threads: int = 1) -> float:
         """Achieved FLOP/s of one matmul of ``flops``, interpolated in log(flops)."""
-        table = self.matmul[min(self.matmul, key=lambda t: abs(int(t) - threads))]
-        xs = [math.log(f) for f, _ in table]
-        x = math.log(max(flops, 1.0))
-        i = bisect.bisect_left(xs, x)
-        if i == 0:
-            return table[0][1] * flops / table[0][0] if flops < table[0][0] else table[0][1]
-        if i == len(xs):
-            return table[-1][1]
-        w = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
-        return table[i - 1][1] * (1 - w) + table[i][1] * w
+        return _rate(self.matmul, flops, threads)
+
+    def conv_rate(self, flops: float, threads: int = 1, *, backward: bool = False) -> float:
+        """Achieved FLOP/s of one convolution of ``flops`` (``backward``: its input and weight
+        gradients, one call): the calibrated convolution tables, else the matmul one (a GPU's
+        implicit-GEMM convolutions run near the GEMM rate; a CPU's small ones do not)."""
+        table = self.conv_bwd if backward else self.conv
+        return _rate(table or self.matmul, flops, threads)
 
     def elementwise_bw(self, threads: int = 1) -> float:
         return self.mem_bw[min(self.mem_bw, key=lambda t: abs(int(t) - threads))]
+
+
+def _rate(tables: dict, flops: float, threads: int) -> float:
+    """A {threads: [(flops, FLOP/s)]} table at ``flops``, interpolated in log(flops); below the
+    smallest entry the time stays that entry's (a fixed launch cost)."""
+    table = tables[min(tables, key=lambda t: abs(int(t) - threads))]
+    xs = [math.log(f) for f, _ in table]
+    x = math.log(max(flops, 1.0))
+    i = bisect.bisect_left(xs, x)
+    if i == 0:
+        return table[0][1] * flops / table[0][0] if flops < table[0][0] else table[0][1]
+    if i == len(xs):
+        return table[-1][1]
+    w = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+    return table[i - 1][1] * (1 - w) + table[i][1] * w
 
 
 def _gpu(name: str, *, peak: float, mem: float, hbm: float, nvlink: float, nic: float) -> Cluster:
@@ -173,6 +190,8 @@ def load_profile(path: str) -> Cluster:
     d["intra"], d["inter"] = Link(**d["intra"]), Link(**d["inter"])
     d["matmul"] = {int(t): [tuple(x) for x in rows] for t, rows in d["matmul"].items()}
     d["mem_bw"] = {int(t): v for t, v in d["mem_bw"].items()}
+    for key in ("conv", "conv_bwd"):
+        d[key] = {int(t): [tuple(x) for x in rows] for t, rows in d.get(key, {}).items()}
     d["collectives"] = {op: {int(n): ab for n, ab in by_n.items()} for op, by_n in d["collectives"].items()}
     d["collectives_shared"] = {op: {int(k): {int(n): ab for n, ab in by_n.items()} for k, by_n in by_k.items()}
                                for op, by_k in d.get("collectives_shared", {}).items()}

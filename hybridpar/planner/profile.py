@@ -63,7 +63,8 @@ class Pass:
     matmuls: tuple[float, ...]
     """FLOPs of each matmul-class op call per sample (they scale with b exactly)."""
     timed: tuple[float, ...]
-    """The same as a kernel runs them: a causal attention skips its masked half."""
+    """The matmuls as a kernel runs them (a causal attention skips its masked half), convolutions
+    apart."""
     traffic: Linear
     """Bytes read and written by every other op."""
     comm: tuple[tuple[str, Linear], ...]
@@ -73,6 +74,11 @@ class Pass:
     dp_comm: tuple[tuple[str, Linear], ...] = ()
     """(collective, bytes) of each collective over the data-parallel replicas inside the pass
     (SyncBatchNorm's statistics), in order."""
+    convs: tuple[float, ...] = ()
+    """FLOPs per sample of each convolution call: timed at the convolution rate."""
+    conv_grads: tuple[float, ...] = ()
+    """FLOPs per sample of each convolution backward (input + weight gradients in one call):
+    timed at the convolution backward rate."""
 
     def flops(self, b: float) -> float:
         return b * sum(self.matmuls)
@@ -124,6 +130,8 @@ class _Counter(torch.utils._python_dispatch.TorchDispatchMode):
         self.registry = flop_registry
         self.matmuls: list[float] = []
         self.timed: list[float] = []
+        self.convs: list[float] = []
+        self.conv_grads: list[float] = []
         self.traffic = 0.0
         self.comm: list[tuple[str, float]] = []
         self.ops = 0
@@ -131,7 +139,7 @@ class _Counter(torch.utils._python_dispatch.TorchDispatchMode):
 
     def summary(self) -> tuple:
         return (tuple(self.matmuls), tuple(self.timed), self.traffic, tuple(self.comm), self.ops,
-                tuple(self.dp_comm))
+                tuple(self.dp_comm), tuple(self.convs), tuple(self.conv_grads))
 
     @staticmethod
     def _group(args):
@@ -169,7 +177,10 @@ class _Counter(torch.utils._python_dispatch.TorchDispatchMode):
         elif func.overloadpacket in self.registry:  # one matmul-class call: its FLOPs
             flops = float(self.registry[func.overloadpacket](*args, **(kwargs or {}), out_val=out))
             self.matmuls.append(flops)
-            self.timed.append(flops)
+            if "conv" in name:  # convolutions and their gradients, each at its own rate
+                (self.conv_grads if "backward" in name else self.convs).append(flops)
+            else:
+                self.timed.append(flops)
         elif not func.is_view:
             self.traffic += sum(t.numel() * t.element_size() for t in _flat((args, kwargs, out))
                                 if isinstance(t, torch.Tensor))
@@ -414,12 +425,12 @@ def profile_spec(spec: ModelSpec, example, *, tp: int = 1, sequence_parallel: bo
             return Linear.fit(a, b)
 
         def pass_(rc, key):
-            mm, timed, _, _, ops, _ = one_ = runs[rc, 1][i][key]
+            mm, timed, _, _, ops, _, convs, grads = one_ = runs[rc, 1][i][key]
             two = runs[rc, 2][i][key]
             t = Linear.fit(one_[2], two[2])
             comm, dp = ((tuple((op, Linear.fit(x, y)) for (op, x), (_, y) in zip(one_[j], two[j])))
                         for j in (3, 5))
-            return Pass(mm, timed, t, comm, ops, dp)
+            return Pass(mm, timed, t, comm, ops, dp, convs, grads)
 
         one = runs[settings[0], 1][i]
         if "same_as" in one and all(runs[k][i].get("same_as") == one["same_as"] for k in runs):

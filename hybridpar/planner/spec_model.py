@@ -172,7 +172,9 @@ def pass_time(u: UnitProfile, kind: str, recompute: str, c: Cluster, b: int, *, 
     from .costs import collective_time
     ps = (u.fwd if kind == "fwd" else u.bwd)[recompute]
     scale = c.dtype_bytes / 4
-    mm = sum(b * f / c.flop_rate(b * f, threads) for f in ps.timed if f > 0)
+    mm = (sum(b * f / c.flop_rate(b * f, threads) for f in ps.timed if f > 0)
+          + sum(b * f / c.conv_rate(b * f, threads) for f in ps.convs if f > 0)
+          + sum(b * f / c.conv_rate(b * f, threads, backward=True) for f in ps.conv_grads if f > 0))
     ew = max(ps.traffic.at(b), 0.0) * scale * traffic_scale() / c.elementwise_bw(threads)
     compute = (mm + ew + ps.ops * op_overhead(c)) * slow
     comm = sum(collective_time(c, op, tp, nbytes.at(b) * scale, world=world) for op, nbytes in ps.comm)

@@ -65,6 +65,34 @@ def matmul_table(threads: int) -> list[tuple[float, float]]:
     return sorted(rows.items())
 
 
+def conv_table(threads: int) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    """([(flops, FLOP/s)] forward, the same backward) of 3x3 convolutions of a CNN's shapes (8
+    images, C -> C channels at H x H); a backward computes the input and weight gradients, twice
+    the FLOPs. A rate by FLOPs
+    alone cannot tell kernel sizes apart (a 1x1 convolution of the same FLOPs runs several times
+    faster here): the table is of the 3x3 kernels CNNs spend their time in."""
+    import torch
+    import torch.nn.functional as F
+
+    torch.set_num_threads(threads)
+    fwd: dict[float, float] = {}
+    bwd: dict[float, float] = {}
+    for c, h in ((4, 8), (8, 8), (16, 8), (16, 16), (32, 16), (64, 8), (64, 16), (128, 8),
+                 (128, 16), (256, 8), (64, 32), (256, 16)):
+        for k in (3,):
+            x = torch.randn(8, c, h, h, requires_grad=True)
+            w = torch.randn(c, c, k, k, requires_grad=True)
+            y = F.conv2d(x, w, padding=k // 2)
+            g = torch.randn_like(y)
+            flops = 2.0 * 8 * c * c * k * k * h * h
+            t_f = _timeit(lambda: F.conv2d(x, w, padding=k // 2))
+            t_b = _timeit(lambda: torch.autograd.grad(F.conv2d(x, w, padding=k // 2), (x, w), g)) - t_f
+            for rows, f, t in ((fwd, flops, t_f), (bwd, 2 * flops, t_b)):
+                if t > 0:
+                    rows[f] = max(rows.get(f, 0.0), f / t)
+    return sorted(fwd.items()), sorted(bwd.items())
+
+
 def _median_step(model, *, mb: int, microbatches: int, threads: int, data, steps: int, warmup: int) -> float:
     """Median seconds of a training step after ``warmup`` of ``steps``, in one process, through
     the ``Trainer`` (dispatch, hooks, loss and optimizer as the runtime pays them)."""
@@ -252,6 +280,10 @@ def calibrate(ranks: tuple[int, ...] = (2, 4, 8), *, log=print) -> Cluster:
     for t in thread_counts:  # more threads are never slower: a lower figure is another
         matmul[t] = [(f, max(r, r1)) for (f, r), (_, r1) in zip(matmul[t], matmul[1])]  # job's noise
     log(f"matmul: best {max(r for _, r in matmul[1]) / 1e9:.1f} GFLOP/s on 1 thread ({time.time() - t0:.0f} s)")
+    tables = {t: conv_table(t) for t in thread_counts}
+    conv, conv_bwd = ({t: v[i] for t, v in tables.items()} for i in (0, 1))
+    log(f"convolutions: {min(r for _, r in conv[1]) / 1e9:.1f} .. {max(r for _, r in conv[1]) / 1e9:.1f} "
+        f"GFLOP/s on 1 thread")
     ovh = overheads()
     mem_bw = {t: elementwise_bw(t, matmul[t], ovh) for t in thread_counts}
     log(f"elementwise: {', '.join(f'{v / 1e9:.1f} GB/s on {t} threads' for t, v in mem_bw.items())}")
@@ -273,7 +305,8 @@ def calibrate(ranks: tuple[int, ...] = (2, 4, 8), *, log=print) -> Cluster:
     p2p = coll["send/recv"][min(coll["send/recv"])]
     link = Link(p2p[0], 1.0 / max(p2p[1], 1e-30))
     return Cluster(name="calibrated cpu", nodes=1, devices_per_node=cores, mem_bytes=float(ram),
-                   peak_flops=max(r for _, r in matmul[1]), matmul=matmul, mem_bw=mem_bw,
+                   peak_flops=max(r for _, r in matmul[1]), matmul=matmul, mem_bw=mem_bw, conv=conv,
+                   conv_bwd=conv_bwd,
                    intra=link, inter=link, collectives=coll, collectives_shared=shared, overhead=ovh,
                    cores=cores, oversubscription=over, backend="gloo", dtype_bytes=4)
 
