@@ -275,3 +275,14 @@ def test_convolutions_are_timed_at_the_calibrated_convolution_rate(tmp_path):
     t = sm.pass_time(conv, "fwd", "none", loaded, 2, threads=1, slow=1.0, tp=1, world=0)[0]
     t0 = sm.pass_time(conv, "fwd", "none", c, 2, threads=1, slow=1.0, tp=1, world=0)[0]
     assert t > t0
+
+
+def test_pp_split_auto_is_a_valid_setting_and_nonsense_is_not():
+    from hybridpar.config import ConfigError, validate
+
+    validate(Config(parallel=ParallelConfig(dp=1, pp=2, pp_split="auto")), world_size=2)
+    with pytest.raises(ConfigError, match="pp_split='automatic' must be comma-separated integers"):
+        validate(Config(parallel=ParallelConfig(dp=1, pp=2, pp_split="automatic")), world_size=2)
+    with pytest.raises(ConfigError, match="not supported with virtual_stages > 1"):
+        validate(Config(parallel=ParallelConfig(dp=1, pp=2, pp_split="auto", schedule="interleaved",
+                                                virtual_stages=2, microbatches=2)), world_size=2)
