@@ -25,7 +25,7 @@ def startup_lines(trainer) -> list[str]:
     cfg, mesh = trainer.cfg, trainer.mesh
     p, t, lay = cfg.parallel, cfg.train, mesh.layout
     spec = trainer.pm.spec
-    schedule = f", {p.schedule} schedule, {p.microbatches} micro-batch{'es' if p.microbatches > 1 else ''}" if lay.pp > 1 else \
+    schedule = (f", {p.schedule} schedule" if lay.pp > 1 else "") + \
         f", {p.microbatches} micro-batch{'es' if p.microbatches > 1 else ''}"
     extras = [x for x, on in (("ZeRO-1", p.zero1), ("sequence parallel", p.sequence_parallel),
                               (f"recompute={p.recompute}", p.recompute != "none"),

@@ -6,24 +6,29 @@ batch-norm and recomputation wrappers applied (``apply_tp``, ``sync_batchnorm``,
 ``apply_recompute``), and run forward and backward on meta tensors shaped like one micro-batch
 (no memory, no arithmetic). Counted per unit, for each recompute setting:
 
-* matmul-class FLOPs, op by op (``torch.utils.flop_counter``: mm, conv, attention; the planner
-  times each at the calibrated rate for its size), forward and backward (recomputation
-  included in backward);
+* matmul-class FLOPs, call by call (``torch.utils.flop_counter``'s formulas: mm, attention, and
+  convolutions and their gradients apart; the planner times each at the calibrated rate for its
+  size), forward and backward (recomputation included in backward); SDPA as the fused kernel a
+  CPU or a GPU runs (``_Attention``);
+* ops dispatched (each costs the framework's fixed dispatch time);
 * the memory traffic of every other op (bytes of its tensor inputs and outputs; views move
   nothing): the elementwise work a CPU or a GPU is bound by bandwidth on;
-* tensor-parallel collectives (op and bytes), seen as the c10d ops the tp mappings issue;
+* collectives (op and bytes), seen as c10d ops and told apart by process group: the tp
+  mappings', and the data-parallel ones inside a pass (SyncBatchNorm's statistics);
 * the storages autograd saves for backward, as the runtime's ``ActivationMeter`` counts them
   (each storage once per chunk, parameters excluded, a checkpoint's kept inputs included, the
   loss's on the last unit); a storage a unit saves from its input or its output is marked, so
-  that one kept by two adjacent units of the same pipeline chunk is counted once, as at run time;
+  that one kept by two adjacent units of the same pipeline chunk is counted once, as at run time,
+  and so is a table the model caches (RoPE's) that every block keeps;
 * parameters on one tp rank, and the bytes of the unit's output (what crosses a cut after it).
 
 Everything but the parameters is linear in the micro-batch size b (x = x0 + x1 b): two runs,
 at b = 1 and b = 2, give the two coefficients exactly (weight gradients and similar
-per-parameter work are the constant part). A tp degree > 1 needs a process group for the tp
-collectives: a fake one (``torch.distributed``'s "fake" backend: collectives return at once)
-is created for the profile and destroyed after it, so this runs only in a process without
-a process group of its own (the planner's, not a training rank's).
+per-parameter work are the constant part). Units built alike and fed alike are profiled once.
+The collectives need process groups: a fake world (``torch.distributed``'s "fake" backend:
+collectives return at once) of two tp groups is created for the profile and destroyed after it.
+A process with a process group of its own (a training rank choosing its pipeline split)
+profiles tp = 1 only, without data-parallel collectives.
 """
 from __future__ import annotations
 
@@ -31,7 +36,6 @@ import contextlib
 from dataclasses import dataclass, field, replace
 
 import torch
-from torch import nn
 
 from ..models.spec import CROSS_ENTROPY, ModelSpec
 from ..parallel.memory import ActivationMeter, _current
@@ -80,9 +84,6 @@ class Pass:
     """FLOPs per sample of each convolution backward (input + weight gradients in one call):
     timed at the convolution backward rate."""
 
-    def flops(self, b: float) -> float:
-        return b * sum(self.matmuls)
-
 
 @dataclass(frozen=True)
 class UnitProfile:
@@ -119,8 +120,9 @@ class ModelProfile:
 
 
 class _Counter(torch.utils._python_dispatch.TorchDispatchMode):
-    """Memory traffic of non-matmul ops and the c10d collectives, per pass; ``attention``: the
-    FLOPs of the fused attention kernels (``_Attention``), which the FLOP counter cannot see."""
+    """One pass's matmul-class FLOPs call by call (``attend``: the fused attention kernels,
+    which dispatch nothing the FLOP registry knows), the traffic of the other ops, ops
+    dispatched, the c10d collectives by group, and the storages the pass created."""
 
     def __init__(self, dp_group=None):
         from torch.utils.flop_counter import flop_registry

@@ -56,11 +56,12 @@ class SpecModel:
     1 (an image), for the throughput column."""
 
     def __init__(self, config: ModelConfig, spec: ModelSpec | None = None, cfg=None, *,
-                 pp_split: str = "", settings: tuple[str, ...] = RECOMPUTE):
+                 pp_split: str = "", settings: tuple[str, ...] = RECOMPUTE, example=None):
         from ..models import spec_for
         self.config, self.pp_split, self.settings = config, pp_split, settings
         self.spec = spec or spec_for(config)
-        self.example = example_batch(self.spec, config, cfg)
+        # a training rank passes its own data's batches: the user's dataset is not loaded again
+        self.example = example or example_batch(self.spec, config, cfg)
         self.per_sample = config.seq_len if self.spec.data == "text" else 1
         self._profiles: dict = {}
         self._checked: dict = {}
@@ -74,10 +75,6 @@ class SpecModel:
     @property
     def n_layers(self) -> int:
         return len(self.spec.blocks)
-
-    @property
-    def seq_len(self) -> int:
-        return self.config.seq_len
 
     def profile(self, tp: int, sp: bool = False, dp_sync: bool = True) -> ModelProfile:
         """The units at this tp degree, as run with data-parallel replicas (``dp_sync``) or
@@ -142,11 +139,12 @@ def _reference() -> tuple[float, float]:
     from ..models import spec_for
     m = ModelConfig()
     spec = spec_for(m)
-    prof = profile_spec(spec, example_batch(spec, m))
+    prof = profile_spec(spec, example_batch(spec, m), settings=("none",), dp_sync=False)
     block = prof.unit(spec.blocks[0])
     tiny = ModelConfig(n_layers=1, d_model=16, n_heads=2, n_kv_heads=1, d_ff=32, seq_len=8)
     tspec = spec_for(tiny)
-    tb = profile_spec(tspec, example_batch(tspec, tiny)).unit(tspec.blocks[0])
+    tb = profile_spec(tspec, example_batch(tspec, tiny), settings=("none",),
+                      dp_sync=False).unit(tspec.blocks[0])
     return block.fwd["none"].traffic.at(1), tb.fwd["none"].ops + tb.bwd["none"].ops
 
 
@@ -272,10 +270,6 @@ def _split_by_cost(model: SpecModel, plan, c: Cluster, requested: str) -> tuple[
     return tuple(pp_split(model.n_layers, parts))
 
 
-def chunk_units(model: SpecModel, split: tuple[int, ...]) -> list[list[str]]:
-    return model.spec.stage_units(list(split))
-
-
 # ---- memory ---------------------------------------------------------------------------------
 
 def chunk_activations(model: SpecModel, plan, c: Cluster, units: list[str]) -> float:
@@ -308,14 +302,10 @@ def message_bytes(model: SpecModel, plan, c: Cluster, unit: str) -> float:
     return u.out_bytes.at(plan.mb_size) * c.dtype_bytes / 4
 
 
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def memory(model: SpecModel, plan, c: Cluster, stage: int, split: tuple[int, ...]) -> dict[str, float]:
     """Bytes on one rank of ``stage`` (``costs.memory``'s terms, from the profile)."""
     from .costs import in_flight
-    units = chunk_units(model, split)
+    units = model.spec.stage_units(list(split))
     vs = [ch * plan.pp + stage for ch in range(plan.virtual_stages)]
     n = tensors = 0
     for v in vs:
@@ -346,9 +336,7 @@ def pipeline_split(cfg, spec: ModelSpec, device_type: str = "cpu", example=None)
     even = pp_split(n, parts)
     if p.pp == 1 or p.virtual_stages > 1:
         return even, "by count"
-    model = SpecModel(cfg.model, spec, cfg, settings=(p.recompute,))
-    if example is not None:
-        model.example = example
+    model = SpecModel(cfg.model, spec, cfg, settings=(p.recompute,), example=example)
     c = PRESETS["h100-80g" if device_type == "cuda" else "cpu"]
     mb = max(1, t.global_batch // (p.dp * p.cp * p.microbatches))
     plan = Plan(1, 1, p.pp, p.microbatches, mb, recompute=p.recompute)

@@ -221,7 +221,7 @@ class _Spec:
         from . import spec_model as sm
         self.sm, self.m, self.plan, self.c = sm, m, plan, c
         self.split = sm.split_for(m, plan, c, m.pp_split)
-        self.units = sm.chunk_units(m, self.split)
+        self.units = m.spec.stage_units(list(self.split))
 
     def message(self) -> float:
         return max((self.sm.message_bytes(self.m, self.plan, self.c, u[-1]) for u in self.units[:-1]),

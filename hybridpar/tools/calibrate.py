@@ -68,9 +68,9 @@ def matmul_table(threads: int) -> list[tuple[float, float]]:
 def conv_table(threads: int) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
     """([(flops, FLOP/s)] forward, the same backward) of 3x3 convolutions of a CNN's shapes (8
     images, C -> C channels at H x H); a backward computes the input and weight gradients, twice
-    the FLOPs. A rate by FLOPs
-    alone cannot tell kernel sizes apart (a 1x1 convolution of the same FLOPs runs several times
-    faster here): the table is of the 3x3 kernels CNNs spend their time in."""
+    the FLOPs. A rate by FLOPs alone cannot tell kernel sizes apart (a 1x1 convolution of the
+    same FLOPs runs several times faster here): the table is of the 3x3 kernels CNNs spend
+    their time in."""
     import torch
     import torch.nn.functional as F
 
@@ -79,17 +79,15 @@ def conv_table(threads: int) -> tuple[list[tuple[float, float]], list[tuple[floa
     bwd: dict[float, float] = {}
     for c, h in ((4, 8), (8, 8), (16, 8), (16, 16), (32, 16), (64, 8), (64, 16), (128, 8),
                  (128, 16), (256, 8), (64, 32), (256, 16)):
-        for k in (3,):
-            x = torch.randn(8, c, h, h, requires_grad=True)
-            w = torch.randn(c, c, k, k, requires_grad=True)
-            y = F.conv2d(x, w, padding=k // 2)
-            g = torch.randn_like(y)
-            flops = 2.0 * 8 * c * c * k * k * h * h
-            t_f = _timeit(lambda: F.conv2d(x, w, padding=k // 2))
-            t_b = _timeit(lambda: torch.autograd.grad(F.conv2d(x, w, padding=k // 2), (x, w), g)) - t_f
-            for rows, f, t in ((fwd, flops, t_f), (bwd, 2 * flops, t_b)):
-                if t > 0:
-                    rows[f] = max(rows.get(f, 0.0), f / t)
+        x = torch.randn(8, c, h, h, requires_grad=True)
+        w = torch.randn(c, c, 3, 3, requires_grad=True)
+        g = torch.randn(8, c, h, h)
+        flops = 2.0 * 8 * c * c * 9 * h * h
+        t_f = _timeit(lambda: F.conv2d(x, w, padding=1))
+        t_b = _timeit(lambda: torch.autograd.grad(F.conv2d(x, w, padding=1), (x, w), g)) - t_f
+        for rows, f, t in ((fwd, flops, t_f), (bwd, 2 * flops, t_b)):
+            if t > 0:
+                rows[f] = max(rows.get(f, 0.0), f / t)
     return sorted(fwd.items()), sorted(bwd.items())
 
 

@@ -46,7 +46,6 @@ def _worker(cfg: Config, steps: int) -> dict | None:
     out = [(mesh.pp_rank, per_step)] * mesh.layout.world_size
     if dist.is_initialized():
         dist.all_gather_object(out, (mesh.pp_rank, per_step))
-    split = [len([u for u in units if u in trainer.pm.spec.blocks]) for units in trainer.pm.stage_units]
     del trainer
     teardown(mesh)
     if mesh.rank:
@@ -54,7 +53,7 @@ def _worker(cfg: Config, steps: int) -> dict | None:
     stages = {}
     for stage, times in out:
         stages.setdefault(stage, times)
-    return {"stages": stages, "step_times": steps_s, "split": split}
+    return {"stages": stages, "step_times": steps_s}
 
 
 def main(argv=None) -> int:
@@ -101,7 +100,8 @@ def main(argv=None) -> int:
                 got[name].append(spawn(_worker, pp, cfg, a.steps)[0])
                 print(f"measured pp={pp} {name} {split}", flush=True)
         for name, split in splits.items():
-            pred = stage_times(SpecModel(model, pp_split=",".join(map(str, split))), plan, c)
+            spec_model.pp_split = ",".join(map(str, split))  # the profile is kept
+            pred = stage_times(spec_model, plan, c)
             meas = [statistics.median(t for r in got[name] for t in r["stages"][s][a.warmup:])
                     for s in range(pp)]
             step = statistics.median(t for r in got[name] for t in r["step_times"][a.warmup:])

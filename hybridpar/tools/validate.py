@@ -38,8 +38,7 @@ from ..planner.timing import predict_time
 def model_of(name: str):
     """What the planner costs for a built-in model at its defaults (``cli.plan.model_for``)."""
     from ..cli.plan import model_for
-    return model_for(Config(model=ModelConfig(name=name)) if name not in ("default", "llama")
-                     else Config(model=MODELS["default"]))
+    return model_for(Config(model=ModelConfig(name=name)))
 
 
 def layouts(c: Cluster, world: int, global_batch: int, microbatches: int, m=None) -> list[Plan]:
@@ -66,7 +65,7 @@ def measure(plan: Plan, *, steps: int, warmup: int, global_batch: int, model: st
             split: tuple[int, ...] | None = None) -> dict:
     from ..engine.launch import spawn
 
-    cfg = Config(model=ModelConfig(name=model if model != "default" else "llama"),
+    cfg = Config(model=ModelConfig(name=model),
                  parallel=ParallelConfig(dp=plan.dp, tp=plan.tp, pp=plan.pp,
                                          microbatches=plan.microbatches, schedule=plan.schedule,
                                          pp_split=",".join(map(str, split)) if split and plan.pp > 1 else ""),
