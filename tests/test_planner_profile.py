@@ -286,3 +286,60 @@ def test_pp_split_auto_is_a_valid_setting_and_nonsense_is_not():
     with pytest.raises(ConfigError, match="not supported with virtual_stages > 1"):
         validate(Config(parallel=ParallelConfig(dp=1, pp=2, pp_split="auto", schedule="interleaved",
                                                 virtual_stages=2, microbatches=2)), world_size=2)
+
+
+def test_time_units_runs_every_unit_as_the_engine_builds_it():
+    """Each unit is timed on real tensors, sharded at tp > 1 by the fake tp group (collectives
+    return at once), with recomputation; the identical blocks are each timed."""
+    from hybridpar.planner.unit_timer import time_units
+
+    for name, tp, recompute in (("resnet", 2, "none"), ("vit", 2, "full"), ("llama", 1, "selective")):
+        m = ModelConfig(name=name, n_layers=2) if name != "llama" else ModelConfig(
+            n_layers=2, d_model=32, n_heads=2, n_kv_heads=1, d_ff=64, seq_len=16)
+        spec = spec_for(m)
+        times = time_units(spec, sm.example_batch(spec, m), b=2, tp=tp, recompute=recompute,
+                           dp_sync=name == "resnet", warmup=1, repeats=2)
+        assert list(times) == list(spec.units)
+        assert all(f > 0 and b > 0 for f, b in times.values()), times
+
+
+def test_measured_unit_times_replace_the_modelled_compute(monkeypatch):
+    """With ``measure``, a unit's compute is its measured time (at the plan's micro-batch size,
+    tp degree and the rank's threads), times the same slow-down; communication stays modelled."""
+    from hybridpar.planner import unit_timer
+
+    m = ModelConfig(name="resnet", n_layers=4)
+    calls = []
+
+    def fake(spec, example, *, b, tp, threads, **kw):
+        calls.append((b, tp, threads, kw["recompute"]))
+        return {u: (1e-3 * (i + 1), 2e-3 * (i + 1)) for i, u in enumerate(spec.units)}
+
+    monkeypatch.setattr(unit_timer, "time_units", fake)
+    model = sm.SpecModel(m, measure=True)
+    c = load_cluster("cpu")
+    plan = Plan(1, 2, 1, 2, 3, recompute="selective")
+    times = sm.unit_times(model, plan, c, threads=1, slow=1.5)
+    modelled = sm.unit_times(sm.SpecModel(m), plan, c, threads=1, slow=1.5)
+    assert calls == [(3, 2, 1, "selective")]
+    for i, u in enumerate(model.spec.units):
+        f, b, comm = times[u]
+        assert comm == modelled[u][2]  # the tp collectives, modelled either way
+        assert f + b - comm == pytest.approx(1.5 * 3e-3 * (i + 1))
+    sm.unit_times(model, plan, c, threads=1, slow=1.0)
+    assert len(calls) == 1  # measured once per (tp, micro-batch, threads, recompute, ...)
+
+
+def test_plan_measure_units(capsys):
+    from hybridpar.cli.plan import plan_main
+    from hybridpar.config import ConfigError
+
+    assert plan_main(["--model.name=resnet", "--model.n_layers=4", "--cluster", "cpu",
+                      "--devices-per-node", "2", "--global-batch", "8", "--top", "2",
+                      "--measure-units"]) == 0
+    assert "compute timed on this machine" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="drop --measure-units"):
+        plan_main(["--measure-units"])
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="this machine, which has no GPU"):
+            plan_main(["--model.name=vit", "--cluster", "h100-80g", "--measure-units"])

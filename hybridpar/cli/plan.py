@@ -42,6 +42,10 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument(f"--{axis}", type=int, help=f"only layouts with this {axis} degree")
     p.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved"), help="only this schedule")
     p.add_argument("--max-mb", type=int, default=8, help="largest micro-batch size tried")
+    p.add_argument("--measure-units", action="store_true",
+                   help="time each unit's forward and backward on this machine instead of modelling "
+                        "its compute from FLOPs and bytes (a model other than the Llama, planned for "
+                        "this machine: its CPU with a calibrated profile, or its GPU)")
     p.add_argument("--print-command", action="store_true", help="print `hybridpar train` for the best plan")
     p.add_argument("--apply", action="store_true", help="run the best plan now (this machine's ranks)")
     return p
@@ -61,13 +65,28 @@ def resolve(args, overrides: list[str]) -> tuple[Config, int]:
     return cfg, gb
 
 
-def model_for(cfg: Config):
-    """What the planner costs: the Llama's ModelConfig (closed forms), or a ``SpecModel``."""
+def model_for(cfg: Config, measure: bool = False):
+    """What the planner costs: the Llama's ModelConfig (closed forms), or a ``SpecModel``
+    (``measure``: its units' compute timed on this machine)."""
     m = cfg.model
     if m.name == "llama" and not m.spec:
         return m
     from ..planner.spec_model import SpecModel
-    return SpecModel(m, cfg=cfg, pp_split=cfg.parallel.pp_split)
+    return SpecModel(m, cfg=cfg, pp_split=cfg.parallel.pp_split, measure=measure)
+
+
+def check_measurable(m, c: Cluster) -> None:
+    """``--measure-units`` needs a spec model and this machine's device of the cluster's kind."""
+    if isinstance(m, ModelConfig):
+        raise ConfigError("--measure-units times the units of a spec model (--model.name=vit|resnet|"
+                          "unet or --model.spec=...); the Llama's closed forms are calibrated by "
+                          "`hybridpar calibrate`: drop --measure-units")
+    if not c.cores:
+        import torch
+        if not torch.cuda.is_available():
+            raise ConfigError(f"--measure-units times the units on this machine, which has no GPU, "
+                              f"but cluster {c.name!r} is a GPU cluster: plan without "
+                              f"--measure-units, or on a machine with that GPU")
 
 
 def command(cfg: Config, plan: Plan, args, split=None) -> list[str]:
@@ -122,8 +141,10 @@ def plan_main(argv: list[str], run_train=None) -> int:
     if bad:
         raise ConfigError(f"unknown argument '{bad[0]}'; see hybridpar plan --help")
     cfg, gb = resolve(args, rest)
-    m = model_for(cfg)
+    m = model_for(cfg, measure=args.measure_units)
     c = load_cluster(args.cluster, nodes=args.nodes, devices_per_node=args.devices_per_node)
+    if args.measure_units:
+        check_measurable(m, c)
     if args.top < 1:
         raise ConfigError(f"--top={args.top} must be at least 1")
     fixed = {k: v for k, v in (("microbatches", args.microbatches), ("schedule", args.schedule),
@@ -133,7 +154,8 @@ def plan_main(argv: list[str], run_train=None) -> int:
         what = (f"model: {m.n_layers} layers, d_model {m.d_model}, heads {m.n_heads}/{m.n_kv_heads} kv, "
                 f"d_ff {m.d_ff}, vocab {m.vocab_size}, seq {m.seq_len}")
     else:
-        what = f"model {m.describe()} (profiled on the meta device)"
+        what = f"model {m.describe()} (profiled on the meta device" + (
+            "; compute timed on this machine)" if m.measure else ")")
     print(f"{what}; global batch {gb}; cluster "
           f"{c.name}: {c.nodes} x {c.devices_per_node} devices, {c.device_mem / 2 ** 30:.1f} GiB each; "
           f"{n} valid layouts (tp inside a node, rank order tp-cp-dp-pp)")

@@ -306,6 +306,13 @@ def _fake_world(tp: int, dp_sync: bool = True):
         dist.destroy_process_group()
 
 
+def unit_key(module, xs, last: bool) -> tuple:
+    """What makes two units cost the same: built alike (modules and parameter shapes), fed
+    alike (input shapes and dtypes), and neither computes the loss (a transformer's blocks)."""
+    return (repr(module), tuple(tuple(q.shape) for q in module.parameters()),
+            tuple((tuple(x.shape), x.dtype) for x in xs), last)
+
+
 def _leaf(t: torch.Tensor, grad: bool) -> torch.Tensor:
     """A unit's input: floating ones need a gradient, but not the batch's (the first unit's)."""
     x = torch.empty(t.shape, dtype=t.dtype, device="meta")
@@ -342,10 +349,7 @@ def _run(spec: ModelSpec, inputs, targets, *, tp: int, sp: bool, recompute: str,
         module = model.get_submodule(name)
         params = list(module.parameters())
         last = i == len(spec.units) - 1
-        # a unit built like an earlier one (same modules, parameters and inputs: a
-        # transformer's blocks) costs the same: profiled once
-        key = (repr(module), tuple(tuple(q.shape) for q in params),
-               tuple((tuple(x.shape), x.dtype) for x in xs), last)
+        key = unit_key(module, xs, last)
         if key in seen:
             same = results[seen[key]]
             results.append({**same, "name": name, "same_as": seen[key]})

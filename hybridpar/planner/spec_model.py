@@ -56,9 +56,11 @@ class SpecModel:
     1 (an image), for the throughput column."""
 
     def __init__(self, config: ModelConfig, spec: ModelSpec | None = None, cfg=None, *,
-                 pp_split: str = "", settings: tuple[str, ...] = RECOMPUTE, example=None):
+                 pp_split: str = "", settings: tuple[str, ...] = RECOMPUTE, example=None,
+                 measure: bool = False):
         from ..models import spec_for
         self.config, self.pp_split, self.settings = config, pp_split, settings
+        self.measure = measure  # compute timed on this machine (unit_timer), not modelled
         self.spec = spec or spec_for(config)
         # a training rank passes its own data's batches: the user's dataset is not loaded again
         self.example = example or example_batch(self.spec, config, cfg)
@@ -66,6 +68,7 @@ class SpecModel:
         self._profiles: dict = {}
         self._checked: dict = {}
         self._splits: dict = {}
+        self._times: dict = {}
 
     # the ModelConfig fields the search reads
     @property
@@ -90,6 +93,19 @@ class SpecModel:
                 self._profiles[key] = profile_spec(self.spec, self.example, tp=tp, sequence_parallel=key[1],
                                                    settings=self.settings, dp_sync=dp_sync)
         return self._profiles[key]
+
+    def measured(self, c: Cluster, *, tp: int, sp: bool, dp_sync: bool, recompute: str, b: int,
+                 threads: int) -> dict[str, tuple[float, float]]:
+        """{unit: (forward s, backward s)} of a micro-batch of b, timed on this machine's device
+        (the CPU for a CPU profile, else the GPU) in the cluster's compute dtype."""
+        key = (tp, sp and tp > 1, dp_sync, recompute, b, threads, c.dtype_bytes, bool(c.cores))
+        if key not in self._times:
+            from .unit_timer import time_units
+            self._times[key] = time_units(
+                self.spec, self.example, b=b, tp=tp, sequence_parallel=key[1], recompute=recompute,
+                dp_sync=dp_sync, threads=threads, device="cpu" if c.cores else "cuda",
+                autocast_dtype=torch.bfloat16 if c.dtype_bytes == 2 else None)
+        return self._times[key]
 
     def check_tp(self, tp: int, sp: bool) -> str | None:
         """Why the spec cannot run at this tp degree (one line), or None."""
@@ -164,17 +180,20 @@ def op_overhead(c: Cluster) -> float:
 
 def pass_time(u: UnitProfile, kind: str, recompute: str, c: Cluster, b: int, *, threads: int,
               slow: float, tp: int, world: float, replicas: int = 1,
-              inter: bool = False) -> tuple[float, float]:
+              inter: bool = False, measured: float | None = None) -> tuple[float, float]:
     """(seconds, of which communication) of one forward or backward of unit ``u``: its tp
-    collectives over tp ranks, its data-parallel ones (SyncBatchNorm) over the ``replicas``."""
+    collectives over tp ranks, its data-parallel ones (SyncBatchNorm) over the ``replicas``;
+    its compute modelled from the profile, or ``measured`` (seconds, alone on the device)."""
     from .costs import collective_time
     ps = (u.fwd if kind == "fwd" else u.bwd)[recompute]
     scale = c.dtype_bytes / 4
-    mm = (sum(b * f / c.flop_rate(b * f, threads) for f in ps.timed if f > 0)
-          + sum(b * f / c.conv_rate(b * f, threads) for f in ps.convs if f > 0)
-          + sum(b * f / c.conv_rate(b * f, threads, backward=True) for f in ps.conv_grads if f > 0))
-    ew = max(ps.traffic.at(b), 0.0) * scale * traffic_scale() / c.elementwise_bw(threads)
-    compute = (mm + ew + ps.ops * op_overhead(c)) * slow
+    if measured is None:
+        mm = (sum(b * f / c.flop_rate(b * f, threads) for f in ps.timed if f > 0)
+              + sum(b * f / c.conv_rate(b * f, threads) for f in ps.convs if f > 0)
+              + sum(b * f / c.conv_rate(b * f, threads, backward=True) for f in ps.conv_grads if f > 0))
+        ew = max(ps.traffic.at(b), 0.0) * scale * traffic_scale() / c.elementwise_bw(threads)
+        measured = mm + ew + ps.ops * op_overhead(c)
+    compute = measured * slow
     comm = sum(collective_time(c, op, tp, nbytes.at(b) * scale, world=world) for op, nbytes in ps.comm)
     comm += sum(collective_time(c, op, replicas, nbytes.at(b), inter=inter, world=world)
                 for op, nbytes in ps.dp_comm)  # statistics: fp32 under any precision
@@ -189,12 +208,19 @@ def unit_times(model: SpecModel, plan, c: Cluster, *, threads: int = 1, slow: fl
     prof = model.profile(tp, plan.sequence_parallel, plan.replicas > 1)
     kw = dict(threads=threads, slow=slow, tp=tp, world=busy_ranks, replicas=plan.replicas,
               inter=spans_nodes(c, plan, "dp"))
+    timed = (model.measured(c, tp=tp, sp=plan.sequence_parallel, dp_sync=plan.replicas > 1,
+                            recompute=plan.recompute, b=plan.mb_size, threads=threads)
+             if model.measure else None)
     out, done = {}, {}
     for u in prof.units:
         key = id(u.fwd[plan.recompute])  # units profiled as one (identical blocks) share it
+        if timed is not None:
+            key = (key, timed[u.name])
         if key not in done:
-            f, cf = pass_time(u, "fwd", plan.recompute, c, plan.mb_size, **kw)
-            bk, cb = pass_time(u, "bwd", plan.recompute, c, plan.mb_size, **kw)
+            f, cf = pass_time(u, "fwd", plan.recompute, c, plan.mb_size, **kw,
+                              measured=timed[u.name][0] if timed else None)
+            bk, cb = pass_time(u, "bwd", plan.recompute, c, plan.mb_size, **kw,
+                               measured=timed[u.name][1] if timed else None)
             done[key] = (f, bk, cf + cb)
         out[u.name] = done[key]
     return out

@@ -35,10 +35,11 @@ from ..planner.search import MODELS, candidates
 from ..planner.timing import predict_time
 
 
-def model_of(name: str):
-    """What the planner costs for a built-in model at its defaults (``cli.plan.model_for``)."""
+def model_of(name: str, measure: bool = False):
+    """What the planner costs for a built-in model at its defaults (``cli.plan.model_for``);
+    ``measure``: a spec model's unit compute timed on this machine (``planner.unit_timer``)."""
     from ..cli.plan import model_for
-    return model_for(Config(model=ModelConfig(name=name)))
+    return model_for(Config(model=ModelConfig(name=name)), measure=measure)
 
 
 def layouts(c: Cluster, world: int, global_batch: int, microbatches: int, m=None) -> list[Plan]:
@@ -100,6 +101,8 @@ def report(runs: list[dict], base: Cluster, m=None) -> None:
     for got in runs:
         plan = Plan(**got["plan"])
         c = replace(base, nodes=1, devices_per_node=plan.world)
+        if not isinstance(m, ModelConfig):  # predicted with the split that ran (if saved)
+            m.pp_split = ",".join(map(str, got.get("split") or [])) if plan.pp > 1 else ""
         pred_t, pred_m = predict_time(m, plan, c).step_time, memory(m, plan, c, stage=0)
         te, me = _err(pred_t, got["step_time"]), _err(pred_m["total"], got["mem"])
         t_err.append((abs(te), plan.label()))
@@ -135,12 +138,15 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--global-batch", type=int, default=32)
+    ap.add_argument("--measure-units", action="store_true",
+                    help="time each unit's compute on this machine instead of modelling it from its "
+                         "FLOPs and bytes (a spec model; communication stays modelled)")
     ap.add_argument("--save", help="write the measurements to this JSON")
     ap.add_argument("--replay", help="measure nothing: predict again for a --save'd JSON")
     a = ap.parse_args(argv)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     base = load_cluster(a.profile)
-    m = model_of(a.model)
+    m = model_of(a.model, measure=a.measure_units)
     if a.replay:
         with open(a.replay) as fh:
             report(json.load(fh), base, m)
@@ -153,10 +159,12 @@ def main(argv=None) -> int:
     for rep in range(a.repeat):  # whole passes: a layout's repeats are minutes apart
         for i, plan in enumerate(plans):
             cw = replace(base, nodes=1, devices_per_node=plan.world)
+            split = _split(m, plan, cw)
             got = measure(plan, steps=a.steps, warmup=a.warmup, global_batch=a.global_batch,
-                          model=a.model, split=_split(m, plan, cw))
+                          model=a.model, split=split)
             if rep == 0:
-                runs.append({"plan": asdict(plan), **{k: v for k, v in got.items() if k != "parts"},
+                runs.append({"plan": asdict(plan), "split": split and list(split),
+                             **{k: v for k, v in got.items() if k != "parts"},
                              "activations": got["parts"]["activations"], "step_times": []})
             run = runs[i]
             run["step_times"].append(got["step_time"])
