@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import sys
 import typing
 from dataclasses import dataclass, field, fields, replace
@@ -151,6 +152,9 @@ class TrainConfig:
                                 "scaling; auto = bf16 on GPUs, fp32 on CPUs",
                         choices=("auto", "fp32", "bf16", "fp16"))
     threads_per_rank: int = _f(0, "torch threads per rank; 0 = cores / local ranks")
+    compile: bool = _f(False, "torch.compile each unit of the model (inductor: fused elementwise "
+                              "kernels, fewer launches); the first steps compile (slower); on a CPU "
+                              "needs a C++ compiler")
     progress: bool = _f(True, "show a progress bar on rank 0")
     summary: bool = _f(True, "print what the run trains (model, layout, data, start state) on rank 0")
     tensorboard: str = _f("", "rank 0 writes TensorBoard event files to this folder "
@@ -509,6 +513,12 @@ def _validate_rest(cfg: Config, world_size: int | None) -> None:
             ("trace", t.trace, "matplotlib", "draws a PNG timeline with matplotlib", "plot")):
         if value and importlib.util.find_spec(package) is None:
             raise ConfigError(f"train.{name}={value!r} {use}: pip install 'hybridpar[{extra}]'")
+    if t.compile:
+        import shutil
+        if not any(shutil.which(c) for c in (os.environ.get("CXX", ""), "c++", "g++", "clang++") if c):
+            raise ConfigError("train.compile=true needs a C++ compiler for torch.compile's inductor "
+                              "(none of $CXX, c++, g++, clang++ is on PATH): install one "
+                              "(e.g. apt install g++) or leave train.compile off")
     if world_size is not None and world_size != p.world_size:
         names, sizes = ("dp*cp*tp*pp", f"{p.dp}*{p.cp}*{p.tp}*{p.pp}") if p.cp > 1 else \
             ("dp*tp*pp", f"{p.dp}*{p.tp}*{p.pp}")

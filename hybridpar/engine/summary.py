@@ -30,6 +30,8 @@ def startup_lines(trainer) -> list[str]:
     extras = [x for x, on in (("ZeRO-1", p.zero1), ("sequence parallel", p.sequence_parallel),
                               (f"recompute={p.recompute}", p.recompute != "none"),
                               (trainer.precision, trainer.precision != "fp32"),
+                              ("torch.compile (units; recomputed regions eager; activation meter off)",
+                               t.compile),
                               (f"{p.cp_attention} context-parallel attention, "
                                + (f"{cfg.model.seq_len // lay.cp} tokens of each sequence per rank"
                                   if spec.cp_split_batch else f"each sample's tokens split {lay.cp} ways"),

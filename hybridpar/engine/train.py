@@ -167,7 +167,9 @@ class Trainer:
         self.runner = PipelineRunner(self.pm.chunks, mesh, p.microbatches, boundaries, self._loss,
                                      eval_fn=spec.eval_metric)
         self.meter = ActivationMeter(self.pm.module.parameters())
-        self.runner.meter = self.meter
+        # the meter's saved-tensor hooks would be traced by torch.compile, breaking every unit's
+        # graph at each saved tensor: under train.compile activations are not metered
+        self.runner.meter = None if cfg.train.compile else self.meter
         self.step = 0
         self.skips = 0  # consecutive steps skipped for a non-finite loss or gradient norm
         self.busy = [0.0, 0]  # busy seconds and steps since the last straggler check
@@ -257,7 +259,7 @@ class Trainer:
                 "max_mem_bytes": peak_memory_bytes(mesh.device),
                 "mem": {**state_bytes(list(pm.module.parameters()),
                                       [b.grad for b in pm.grad_sync.buckets], self.opt),
-                        "activations": self.meter.peak},
+                        **({} if cfg.train.compile else {"activations": self.meter.peak})},
                 "max_in_flight": st.max_in_flight,
                 **({"loss_scale": self.scaler.scale} if self.scaler else {}),
                 "layout": {"dp": p.dp, **({"cp": p.cp} if p.cp > 1 else {}), "tp": p.tp, "pp": p.pp,

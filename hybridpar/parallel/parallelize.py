@@ -191,11 +191,14 @@ def split_pipeline(model: nn.Module, spec: ModelSpec, pp_rank: int, pp: int,
     return chunks
 
 
-def apply_recompute(model: nn.Module, spec: ModelSpec, mode: str) -> None:
+def apply_recompute(model: nn.Module, spec: ModelSpec, mode: str, *, compile: bool = False) -> None:
     """Recompute activations in backward instead of storing them: ``full`` keeps only each
     block's input, ``selective`` drops what the spec names (for a transformer, the attention
     core softmax(QK^T)V: the largest and cheapest-to-recompute activations). Instance-level
-    overrides keep parameter names."""
+    overrides keep parameter names. ``compile``: a recomputed region runs eagerly inside a
+    compiled unit (the unit's graph breaks around it): torch.compile cannot trace a checkpoint
+    with our context function, and a compiled function under a non-reentrant checkpoint may
+    save its tensors in another order when it is recomputed."""
     from torch.utils.checkpoint import checkpoint
 
     def wrap(module: nn.Module, fn_name: str) -> None:
@@ -206,7 +209,7 @@ def apply_recompute(model: nn.Module, spec: ModelSpec, mode: str) -> None:
             # the recompute pass leaves BatchNorm running statistics alone (counted once)
             return checkpoint(fn, *args, use_reentrant=False,
                               context_fn=lambda: (contextlib.nullcontext(), recomputing()))
-        setattr(module, fn_name, run)
+        setattr(module, fn_name, torch.compiler.disable(run) if compile else run)
 
     modules = dict(model.named_modules())
     if mode == "full":
@@ -219,6 +222,16 @@ def apply_recompute(model: nn.Module, spec: ModelSpec, mode: str) -> None:
             for name, module in modules.items():
                 if name and fnmatchcase(name, pattern):
                     wrap(module, method or "forward")
+
+
+def apply_compile(model: nn.Module, units: list[str]) -> None:
+    """``torch.compile`` each of this rank's units in place (``nn.Module.compile``: parameter
+    names, hooks and checkpoints are unchanged). Per unit, not per stage: the graph breaks at a
+    unit's tensor-parallel collectives stay inside it, the blocks of a transformer share one
+    compiled graph (same code, same shapes), and the pipeline runtime still calls units one by
+    one. Shapes are static (dynamic=False): every micro-batch of a run has the same shape."""
+    for unit in units:
+        model.get_submodule(unit).compile(dynamic=False)
 
 
 def init_full(spec: ModelSpec, key: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
@@ -273,7 +286,7 @@ def parallelize(cfg: Config, mesh: ParallelMesh, *, spec: ModelSpec | None = Non
     sync_batchnorm(model, mesh.group("dp"))
     # before recompute, so that a recomputed attention core is the context-parallel one
     seq_shard = apply_context_parallel(model, spec, mesh, seq_len=m.seq_len, method=p.cp_attention)
-    apply_recompute(model, spec, p.recompute)
+    apply_recompute(model, spec, p.recompute, compile=cfg.train.compile)
 
     model.to_empty(device=mesh.device)  # allocates each parameter anew: re-tie below
     reset_buffers(model)
@@ -308,6 +321,8 @@ def parallelize(cfg: Config, mesh: ParallelMesh, *, spec: ModelSpec | None = Non
                           zero1=p.zero1, own_bucket=tuple(_shared_across_stages(model, spec, mesh)),
                           reduce_dtype=torch.bfloat16 if p.grad_reduce_dtype == "bf16" else None)
     amp = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision_of(cfg.train, mesh.device)]
+    if cfg.train.compile:
+        apply_compile(model, [u for units in chunk_units for u in units])
     chunks = [Stage(model, units, device_type=mesh.device.type, autocast_dtype=amp)
               for units in chunk_units]
     vocab_parallel = mesh.layout.tp > 1 and any(
