@@ -320,6 +320,57 @@ def test_diagnose_classifies_missing_stale_stuck_and_waiting():
     assert diagnose(all_comm, layout=lay, now=now, deadline_s=5, stale_s=3).suspects == []
 
 
+class _Event:
+    """A CUDA event stand-in: the test decides when the 'device' has passed it."""
+
+    def __init__(self):
+        self.done = False
+
+    def record(self):
+        pass
+
+    def query(self):
+        return self.done
+
+
+def test_device_progress_follows_queued_collectives():
+    """On an asynchronous device a collective is followed from the moment it is queued (the
+    host leaves it) until the device passes it; on a CPU nothing is recorded."""
+    events = []
+    a = Activity()
+    a.mark("forward", 0)
+    outer = a.enter("tp all-reduce")
+    a.leave(outer)
+    assert not a.device.enabled and a.device.pending() is None  # a CPU: nothing to follow
+    a.device.event_factory = lambda: events.append(_Event()) or events[-1]
+    a.mark("grad sync", comm=True)
+    a.mark("grad norm")  # the all-reduce is queued; the host goes on to the norm's sync
+    outer = a.enter("step all-reduce")
+    a.leave(outer)
+    assert len(events) == 2
+    assert a.device.pending()[0] == "grad sync"
+    events[0].done = True
+    assert a.device.pending()[0] == "step all-reduce in grad norm"
+    events[1].done = True
+    assert a.device.pending() is None and not a.device.queue
+
+
+def test_diagnose_a_host_blocked_on_a_device_inside_a_collective_is_waiting():
+    """NCCL: collectives return at once, so the healthy ranks block in the gradient norm's host
+    sync, outside any marked communication; their devices are inside the dp all-reduce the
+    hung rank never joined. Only the hung rank is named."""
+    now, lay = 1000.0, Layout(2, 1, 1)
+    healthy = dict(_beat(4, "grad norm", False, now - 9, now - 0.2),
+                   device_op="dp all-reduce bucket 1/2 in grad sync", device_since=now - 9)
+    hung = _beat(4, "backward mb 3", False, now - 10, now - 0.2)
+    v = diagnose({0: healthy, 1: hung}, layout=lay, now=now, deadline_s=5, stale_s=3)
+    assert [r for r, _ in v.suspects] == [1]
+    assert v.waiting and v.waiting[0][1] == [0] and "device waiting 9.0 s" in v.waiting[0][0]
+    no_device = {0: _beat(4, "grad norm", False, now - 9, now - 0.2), 1: hung}
+    assert [r for r, _ in diagnose(no_device, layout=lay, now=now, deadline_s=5,
+                                   stale_s=3).suspects] == [0, 1]  # what the device fixes
+
+
 def test_find_straggler_compares_with_the_same_stage():
     lay = Layout(2, 2, 2)  # stage 0: ranks 0-3, stage 1: ranks 4-7
     # stage 1 is legitimately 2x slower (loss, head): no straggler

@@ -99,6 +99,9 @@ def setup(cfg: Config, *, spec=None) -> ParallelMesh:
         opts = {"timeout": timedelta(seconds=group_timeout_s(cfg))}
         if device.type == "cuda":
             opts["device_id"] = device  # NCCL binds its communicators to this GPU eagerly
+            # NCCL's flight recorder: the last collectives of every group, dumped by the
+            # watchdog when its deadline fires (the user's own setting wins)
+            os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             opts.update(_attempt_store())
         dist.init_process_group(backend, **opts)

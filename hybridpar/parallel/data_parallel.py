@@ -10,8 +10,8 @@ schedule knows nothing of this: ``finish()`` is the explicit synchronisation ste
 
 Result: grad = (1/dp) * sum over dp ranks of the local sum over micro-batches.
 
-ZeRO-1: bucket buffers are padded to a multiple of dp and rank r owns the contiguous slice r of
-each; gradients are reduce-scattered (so a rank's *unowned* slices hold its local, unreduced
+ZeRO-1: bucket buffers are padded to a multiple of dp x ``ALIGN_BYTES`` and rank r owns the
+contiguous slice r of each (so every shard starts 128-byte aligned, as NCCL's fast paths want); gradients are reduce-scattered (so a rank's *unowned* slices hold its local, unreduced
 sums: nothing may read them), AdamW runs only on the owned slices (its state is 1/dp), and the
 updated slices are all-gathered into flat parameter buffers (parameters are views into them).
 
@@ -31,6 +31,11 @@ from torch import nn
 
 from .collectives import all_gather_flat, reduce_scatter_flat
 from ..reliability.watchdog import activity
+
+
+ALIGN_BYTES = 128
+"""Every bucket's shards start on this boundary (NCCL's vectorised kernels need 16 B, its
+reduce-scatter and all-gather are fastest on 128 B); padding is < dp x 128 B per bucket."""
 
 
 @dataclass
@@ -99,8 +104,9 @@ class GradSync:
         buckets = []
         for ps in [g for g in groups if g]:
             n = sum(p.numel() for p in ps)
-            padded = -(-n // dp) * dp
             dtype, device = ps[0].dtype, ps[0].device
+            unit = dp * max(1, ALIGN_BYTES // ps[0].element_size())  # aligned shards
+            padded = -(-n // unit) * unit
             b = Bucket(ps, torch.zeros(padded, dtype=dtype, device=device))
             if zero1:
                 b.param_buf = torch.zeros(padded, dtype=dtype, device=device)

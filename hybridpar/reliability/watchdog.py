@@ -14,8 +14,16 @@ no I/O): "forward mb 3", "pp SEND_F mb 3 -> rank 5", "dp all-reduce bucket 2/4 i
   faulthandler stack dump per rank, and exits (``EXIT_WATCHDOG``).
 
 Every rank thus exits within deadline + period + a few seconds, with or without a launcher to
-kill it, whatever Gloo's own timeout. Limitation: CUDA/NCCL collectives are asynchronous, so on
-GPUs a hang shows up in the first operation that waits for the device.
+kill it, whatever Gloo's own timeout.
+
+On a GPU, NCCL collectives return as soon as they are queued: a rank waiting for a hung peer
+then blocks in the next host sync (the gradient norm's), outside any marked communication.
+So each marked collective also records a CUDA event after it is queued (``DeviceProgress``),
+and the heartbeat publishes the oldest one the device has not passed: a rank whose device is
+still inside a collective is waiting for its peers, not stuck. When the deadline fires on NCCL,
+each rank also dumps NCCL's flight recorder (its last collectives, with their sequence numbers
+and states) next to its stack dump. On a CPU the work is done when the call returns: nothing is
+recorded, the same code runs.
 """
 from __future__ import annotations
 
@@ -37,21 +45,67 @@ from datetime import timedelta
 from .errors import EXIT_ABORTED, EXIT_WATCHDOG, HybridparError, is_connection_lost
 
 
+class DeviceProgress:
+    """How far an asynchronous device (a GPU) has got through the collectives the host queued:
+    ``record`` (main thread) appends an event recorded on the current stream after a marked
+    collective was queued; ``pending`` (heartbeat thread) drops the events the device has passed
+    and returns (what, wall time queued) of the oldest it has not, or None. Queries never block
+    and make no synchronising call. Disabled (a CPU, the default): records nothing."""
+
+    def __init__(self, event_factory=None, keep: int = 4096) -> None:
+        import collections
+        self.event_factory = event_factory  # () -> an event with record() and query()
+        self.queue: collections.deque = collections.deque(maxlen=keep)
+
+    @property
+    def enabled(self) -> bool:
+        return self.event_factory is not None
+
+    def enable_cuda(self) -> None:
+        import torch
+        self.event_factory = lambda: torch.cuda.Event(enable_timing=False)
+        self.queue.clear()
+
+    def disable(self) -> None:
+        self.event_factory = None
+        self.queue.clear()
+
+    def record(self, what: str) -> None:
+        if self.event_factory is None:
+            return
+        event = self.event_factory()
+        event.record()
+        self.queue.append((what, event, time.time()))  # deque appends/pops are atomic
+
+    def pending(self) -> tuple[str, float] | None:
+        q = self.queue
+        while q:
+            what, event, t = q[0]
+            if not event.query():
+                return what, t
+            q.popleft()
+        return None
+
+
 class Activity:
     """What this process's main thread is doing now: ``op = (label, mb, comm, t0, detail, outer)``
     or None when idle. Written by the main thread, read by the watchdog threads; one per
-    process, like faulthandler. ``wait_s`` sums the time spent in communication this step."""
+    process, like faulthandler. ``wait_s`` sums the time spent in communication this step;
+    ``device`` follows the collectives on an asynchronous device (recorded when one is left)."""
 
-    __slots__ = ("step", "op", "wait_s", "step_t0")
+    __slots__ = ("step", "op", "wait_s", "step_t0", "device")
 
     def __init__(self) -> None:
         self.step, self.op, self.wait_s, self.step_t0 = 0, None, 0.0, time.monotonic()
+        self.device = DeviceProgress()
 
     def mark(self, label: str, mb: int = -1, *, comm: bool = False, detail=None, outer=None) -> None:
         now = time.monotonic()
         op = self.op
         if op is not None and op[2]:
             self.wait_s += now - op[3]
+            if self.device.event_factory is not None:  # the collective is queued: follow it
+                self.device.record(describe(op))
         self.op = (label, mb, comm, now, detail, outer)
 
     def enter(self, label: str, detail=None):
@@ -127,6 +181,10 @@ def diagnose(beats: dict[int, dict | None], *, layout, now: float, deadline_s: f
         elif now - b["t"] > stale_s:
             suspects.append((r, f"heartbeat stopped {now - b['t']:.1f} s ago, last at {where} "
                                 f"(process dead, frozen, or holding the GIL)"))
+        elif b.get("device_op") and now - b["device_since"] > deadline_s / 2:
+            # the host waits on its device, which is inside a collective: waiting for peers
+            waiting.setdefault(f"step {b['step']}: {b['device_op']} (device waiting "
+                               f"{now - b['device_since']:.1f} s; host at {b['op']})", []).append(r)
         elif not b["comm"] and b["op"] != "idle" and age > deadline_s / 2:
             suspects.append((r, f"stuck for {age:.1f} s outside any communication, at {where}"))
         else:
@@ -134,7 +192,7 @@ def diagnose(beats: dict[int, dict | None], *, layout, now: float, deadline_s: f
                                f"{age:.1f} s)", []).append(r)
     # a heartbeat is published at most every ~0.1 s: with shorter steps, a frozen rank's true
     # position is where its healthy peers wait for it (a collective needs every rank)
-    peer_steps = [b["step"] for r, b in beats.items() if b and b.get("comm")
+    peer_steps = [b["step"] for r, b in beats.items() if b and (b.get("comm") or b.get("device_op"))
                   and r not in {s for s, _ in suspects}]
     if peer_steps:
         at = max(peer_steps)
@@ -235,15 +293,18 @@ class Watchdog:
         self._stop.set()
         for t in self._threads:
             t.join(timeout=2 * self.period_s)
+        self.act.device.disable()
         self._publish("finished")
 
     # ---- heartbeat
     def _beat(self, state: str) -> dict:
         a, op = self.act, self.act.op
         now, mono = time.time(), time.monotonic()
+        device = a.device.pending() if a.device.enabled else None
         return {"rank": self.rank, "host": _HOST, "pid": os.getpid(), "step": a.step, "op": describe(op),
                 "comm": bool(op and op[2]), "since": now - (mono - op[3]) if op else None,
-                "t": now, "state": state}
+                "t": now, "state": state,
+                "device_op": device[0] if device else None, "device_since": device[1] if device else None}
 
     def _publish(self, state: str) -> None:
         try:
@@ -337,6 +398,7 @@ class Watchdog:
             except Exception:
                 pass
         self._signal_abort()
+        self._dump_flight_recorder()
         self._dump_stacks()
         self._wait_for_dumps(until=time.monotonic() + grace - 1.0)
         for pid in frozen_here.values():  # last, so the launcher sees our exit code with theirs
@@ -379,6 +441,23 @@ class Watchdog:
         print(msg, file=sys.stderr, flush=True)
         _tag(e, "first" if first else "other")  # so the CLI does not print it again
         self._signal_abort()
+
+    def _dump_flight_recorder(self) -> None:
+        """NCCL's record of this rank's last collectives (``TORCH_NCCL_TRACE_BUFFER_SIZE``, set
+        by ``launch.setup``), pickled next to the stack dumps: which collective, of which group
+        and sequence number, each rank reached. Only where the device is asynchronous (NCCL)."""
+        if not self.act.device.enabled:
+            return
+        try:
+            import torch
+            data = torch._C._distributed_c10d._dump_nccl_trace()
+        except Exception as e:  # no NCCL build, or a recorder that is off: say so in the dump dir
+            self._write(f"nccl_trace_rank{self.rank}.txt", f"no NCCL flight recorder: {e}\n")
+            return
+        with contextlib.suppress(OSError):
+            os.makedirs(self.dump_dir, exist_ok=True)
+            with open(os.path.join(self.dump_dir, f"nccl_trace_rank{self.rank}.pkl"), "wb") as fh:
+                fh.write(data)
 
     def _first_failure(self) -> bool:
         """True on the first rank of the job to time out or raise (it reports; others are brief)."""
@@ -477,6 +556,10 @@ def start(cfg, mesh) -> Watchdog | None:
     prefix = (f"hybridpar/watchdog/{run}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
               f"{_generation[0]}")
     store = _store_client(timeout_s=min(10.0, rel.deadline_s))
+    if mesh.device.type == "cuda":  # NCCL queues collectives: follow them on the device
+        activity.device.enable_cuda()
+    else:
+        activity.device.disable()
     dist.barrier()  # ranks finish building at different times: that wait is not a hang
     return Watchdog(rank=mesh.rank, layout=mesh.layout, deadline_s=rel.deadline_s,
                     dump_dir=rel.dump_dir or default_dump_dir(), store=store,

@@ -21,7 +21,9 @@ Every check runs the library's own code path on ``--device`` (default: cuda when
                layouts of N ranks, ZeRO-1 with tied embeddings and a cp layout included, against
                one CPU process (fp32 tolerances)
   watchdog     2 ranks, rank 1 hangs mid-run (HYBRIDPAR_FAULT): the job must end with exit 1 and
-               name rank 1 in the watchdog's report
+               name rank 1 in the watchdog's report (on NCCL the healthy rank's host waits in
+               the norm's sync while its device is in the all-reduce: followed by CUDA events),
+               and on a GPU each rank dumps NCCL's flight recorder
 """
 from __future__ import annotations
 
@@ -238,11 +240,15 @@ def check_watchdog(say: Report, device: str) -> None:
         with open(data, "w") as fh:
             fh.write("def f(dp, tp, pp):\n    return dp * tp * pp\n" * 400)
         t0 = time.monotonic()
+        dumps = os.path.join(tmp, "dumps")
         r = subprocess.run([sys.executable, "-m", "hybridpar", "train", "--dp", "2", "--steps", "50",
                             f"--data.path={data}", f"--train.device={device}",
-                            "--reliability.deadline_s=5", *tiny],
+                            "--reliability.deadline_s=5", f"--reliability.dump_dir={dumps}", *tiny],
                            capture_output=True, text=True, env=env, timeout=240)
         took = time.monotonic() - t0
+        traces = sorted(f for f in os.listdir(dumps) if f.startswith("nccl_trace")) if os.path.isdir(dumps) else []
+    if device == "cuda":  # the healthy rank dumps NCCL's record of its last collectives
+        say("nccl flight recorder", bool(traces), f"dumped: {', '.join(traces) or 'none'}")
     line = next((x for x in r.stderr.splitlines() if x.startswith("hybridpar: watchdog: ")), "")
     ok = r.returncode == 1 and line.startswith("hybridpar: watchdog: rank 1 ")
     say("watchdog", ok, f"exit {r.returncode} after {took:.0f} s: {line or r.stderr.strip()[-300:]}")
