@@ -35,6 +35,7 @@ def _storage_key(t: torch.Tensor) -> tuple[int, int]:
 class ActivationMeter:
     def __init__(self, params):
         self.param_ptrs = {p.untyped_storage().data_ptr() for p in params}
+        self.state_ptrs: set = set()  # the step's working weights: state, not activations
         self.by_key: dict = {}
         self.live = 0
         self.peak = 0
@@ -45,7 +46,7 @@ class ActivationMeter:
         if not isinstance(t, torch.Tensor) or t.device.type == "meta":
             return
         ptr, nbytes = _storage_key(t)
-        if ptr in self.param_ptrs or ptr in self._seen:
+        if ptr in self.param_ptrs or ptr in self.state_ptrs or ptr in self._seen:
             return
         self._seen.add(ptr)
         self._bytes += nbytes
@@ -69,6 +70,11 @@ class ActivationMeter:
             self.by_key[key] = self._bytes
             self.live += self._bytes
             self.peak = max(self.peak, self.live)
+
+    def exclude(self, tensors) -> None:
+        """Tensors of this step that are state, not activations (the working weights); they
+        replace the previous step's (their storages may since be reused)."""
+        self.state_ptrs = {t.untyped_storage().data_ptr() for t in tensors}
 
     def release(self, key) -> None:
         self.live -= self.by_key.pop(key, 0)

@@ -29,24 +29,55 @@ from .tensor_parallel.apply import ShardSpec, apply_tp, check_plan, owner, style
 from .tensor_parallel.layers import cross_entropy
 
 
+_CAST = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+"""Modules whose weight autocast casts to the compute dtype (a matmul or convolution input)."""
+
+
 class Stage:
     """One virtual stage on this rank: its units of the model, called in order. A unit gets
     the previous unit's output (a tuple is unpacked into its arguments), the first one the
-    stage's inputs; the stage returns the last unit's output (a tensor or a tuple)."""
+    stage's inputs; the stage returns the last unit's output (a tensor or a tuple).
+
+    Under bf16/fp16 autocast, ``cast_weights`` makes the *working weights* of a step: each
+    Linear and convolution weight cast to the compute dtype once, used by every micro-batch
+    (``functional_call``). Left to autocast, every micro-batch casts them again (its cache
+    lives only inside one autocast region) and keeps its own copy for backward: one copy of the
+    stage's weights per micro-batch in flight, up to pp of them under 1F1B. The cast is the same
+    rounding autocast does and its gradient flows back to the fp32 weight through the cast, so
+    the numbers are unchanged; biases stay with autocast (a row-parallel bias is added in fp32)."""
 
     def __init__(self, model: nn.Module, units: list[str], *, device_type: str = "cpu",
                  autocast_dtype: torch.dtype | None = None):
         self.units = units
         self.modules = [model.get_submodule(u) for u in units]
         self.device_type, self.autocast_dtype = device_type, autocast_dtype
+        self.working: list[dict[str, torch.Tensor]] | None = None
+
+    def cast_weights(self) -> list[torch.Tensor]:
+        """Make this step's working weights (nothing in fp32); returns them."""
+        dtype = self.autocast_dtype
+        if dtype is None:
+            return []
+        self.working = [{(f"{n}." if n else "") + "weight": m.weight.to(dtype)
+                         for n, m in unit.named_modules()
+                         if isinstance(m, _CAST) and m.weight is not None and m.weight.dtype != dtype}
+                        for unit in self.modules]
+        return [w for ws in self.working for w in ws.values()]
+
+    def drop_weights(self) -> None:
+        self.working = None
 
     def __call__(self, *xs):
         ctx = (contextlib.nullcontext() if self.autocast_dtype is None
                else torch.autocast(self.device_type, dtype=self.autocast_dtype))
         out = xs if len(xs) > 1 else xs[0]
         with ctx:
-            for m in self.modules:
-                out = m(*out) if isinstance(out, tuple) else m(out)
+            for i, m in enumerate(self.modules):
+                args = out if isinstance(out, tuple) else (out,)
+                if self.working and self.working[i]:
+                    out = torch.func.functional_call(m, self.working[i], args, tie_weights=False)
+                else:
+                    out = m(*args)
         return out
 
 

@@ -212,6 +212,15 @@ def stage_params(m: ModelConfig, plan: Plan, stage: int) -> tuple[int, int]:
     return n, tensors
 
 
+def working_params(m: ModelConfig, plan: Plan, stage: int) -> int:
+    """Matrix weights on one rank of ``stage`` (the Linear layers, LM head included; not the
+    embedding or the norms): what a bf16/fp16 step casts once into working weights."""
+    split, V = stage_layers(m, plan), plan.pp * plan.virtual_stages
+    vs = [c * plan.pp + stage for c in range(plan.virtual_stages)]
+    n = sum(split[v] for v in vs) * (layer_params(m, plan.tp) - 2 * m.d_model)
+    return n + (m.vocab_size * m.d_model // plan.tp if V - 1 in vs else 0)
+
+
 def activations(m: ModelConfig, plan: Plan, a: int, *, embed: bool, head: bool, layers: int) -> float:
     """Bytes one micro-batch's forward of a chunk keeps for backward (act. element = a bytes;
     RMSNorm computes in fp32). Per block (sizes in elements, GQA heads per tp rank):
@@ -258,7 +267,9 @@ def in_flight(plan: Plan, stage: int) -> int:
 def memory(m: ModelConfig, plan: Plan, c: Cluster, stage: int = 0) -> dict[str, float]:
     """Bytes on one rank of ``stage``: fp32 params and grads (the runtime keeps fp32 master
     weights under any precision), AdamW's two fp32 moments (+ a 4 B step per tensor), 1/dp of
-    them under ZeRO-1 (1/(dp cp)), and the activation peak (in-flight micro-batches x bytes per chunk).
+    them under ZeRO-1 (1/(dp cp)), the activation peak (in-flight micro-batches x bytes per
+    chunk), and under bf16/fp16 the step's working weights (the matrices in the compute dtype,
+    once: ``parallelize.Stage.cast_weights``).
     A ``SpecModel`` is costed from its profile (``spec_model.memory``)."""
     if not isinstance(m, ModelConfig):
         from .spec_model import memory as spec_memory, split_for
@@ -271,7 +282,8 @@ def memory(m: ModelConfig, plan: Plan, c: Cluster, stage: int = 0) -> dict[str, 
                  for v in vs]
     act = in_flight(plan, stage) * sum(per_chunk) / len(per_chunk)
     out = {"params": 4.0 * n, "grads": 4.0 * n, "optimizer": 8.0 * n / shard + 4.0 * math.ceil(tensors / shard),
-           "activations": act}
+           "activations": act,
+           "working": float(c.dtype_bytes * working_params(m, plan, stage)) if c.dtype_bytes < 4 else 0.0}
     out["total"] = sum(out.values())
     return out
 

@@ -103,6 +103,9 @@ class UnitProfile:
     """recompute setting -> per output tensor, Linear bytes of it kept by this unit."""
     out_bytes: Linear
     """Bytes of the unit's output: a pipeline message after it."""
+    cast_params: int = 0
+    """Weights of its Linear and convolution modules on one tp rank: cast once per step into
+    working weights under bf16/fp16."""
     consts: dict = field(default_factory=dict)
     """recompute setting -> {storage id: bytes} of what the unit keeps that existed before it
     ran (a table the model caches, as RoPE's, shared by every block: a chunk keeps each once);
@@ -386,7 +389,10 @@ def _run(spec: ModelSpec, inputs, targets, *, tp: int, sp: bool, recompute: str,
         inputs = {x.untyped_storage()._cdata for x in (*leaves, targets)}
         consts = {k: n for k, (n, _) in meter.kept.items() if k not in created and k not in inputs}
         kept = [v for k, v in meter.kept.items() if k not in consts]
+        from ..parallel.parallelize import _CAST
         results.append({"name": name, "params": sum(p.numel() for p in params),
+                        "cast": sum(m.weight.numel() for m in module.modules()
+                                    if isinstance(m, _CAST) and m.weight is not None),
                         "tensors": len(params), "fwd": fwd, "bwd": bwd,
                         "saved": (sum(n for n, f in kept if f), sum(n for n, f in kept if not f)),
                         "consts": consts,
@@ -449,6 +455,6 @@ def profile_spec(spec: ModelSpec, example, *, tp: int = 1, sequence_parallel: bo
             saved={rc: (lin("saved", rc, 0), lin("saved", rc, 1)) for rc in settings},
             shared_in={rc: tuple(lin("in", rc, j) for j in range(len(one["in"]))) for rc in settings},
             shared_out={rc: tuple(lin("out", rc, j) for j in range(len(one["out"]))) for rc in settings},
-            out_bytes=lin("out_bytes"),
+            out_bytes=lin("out_bytes"), cast_params=one["cast"],
             consts={rc: dict(runs[rc, 1][i]["consts"]) for rc in settings}))
     return ModelProfile(tuple(units), tp, sequence_parallel)

@@ -333,15 +333,18 @@ def memory(model: SpecModel, plan, c: Cluster, stage: int, split: tuple[int, ...
     from .costs import in_flight
     units = model.spec.stage_units(list(split))
     vs = [ch * plan.pp + stage for ch in range(plan.virtual_stages)]
-    n = tensors = 0
+    n = tensors = cast = 0
+    prof = model.profile(plan.tp, plan.sequence_parallel)
     for v in vs:
         dn, dt = chunk_params(model, plan.tp, plan.sequence_parallel, units[v])
         n, tensors = n + dn, tensors + dt
+        cast += sum(prof.unit(u).cast_params for u in units[v])
     shard = plan.replicas if plan.zero1 else 1
     per_chunk = [chunk_activations(model, plan, c, units[v]) for v in vs]
     act = in_flight(plan, stage) * sum(per_chunk) / len(per_chunk)
     out = {"params": 4.0 * n, "grads": 4.0 * n,
-           "optimizer": 8.0 * n / shard + 4.0 * math.ceil(tensors / shard), "activations": act}
+           "optimizer": 8.0 * n / shard + 4.0 * math.ceil(tensors / shard), "activations": act,
+           "working": float(c.dtype_bytes * cast) if c.dtype_bytes < 4 else 0.0}
     out["total"] = sum(out.values())
     return out
 

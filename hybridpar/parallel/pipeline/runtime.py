@@ -32,6 +32,7 @@ class StepState:
     losses: dict = field(default_factory=dict)      # last stage: detached per-mb loss
     metrics: dict = field(default_factory=dict)     # last stage, evaluation: per-mb eval_fn
     max_in_flight: int = 0
+    working_bytes: int = 0                          # the step's working weights (bf16/fp16)
 
 
 @dataclass
@@ -52,10 +53,25 @@ class PipelineRunner:
     def _vstage(self, chunk: int) -> int:
         return chunk * self.mesh.layout.pp + self.mesh.pp_rank
 
+    @property
+    def wire_dtype(self) -> torch.dtype | None:
+        """The dtype floating messages travel in: the autocast dtype under bf16/fp16 (half the
+        bytes of the fp32 residual stream; one rounding per stage boundary, as a layout already
+        moves bf16 roundings elsewhere), None (as they are) in fp32."""
+        return getattr(self.chunks[0], "autocast_dtype", None) if self.chunks else None
+
     def _comm(self, batch: tuple[Action, ...], st: StepState) -> None:
         """One batch of p2p ops. A boundary's tensors travel in tuple order; gradients only for
-        its floating tensors, in the same order on both sides."""
+        its floating tensors, in the same order on both sides; floating tensors wider than the
+        wire dtype are cast to it for the trip and back on arrival."""
         group, ops, where, dev = self.mesh.group("pp"), [], [], self.mesh.device
+        wire = self.wire_dtype
+
+        def on_wire(dtype: torch.dtype) -> torch.dtype:
+            return wire if (wire is not None and dtype.is_floating_point
+                            and dtype.itemsize > wire.itemsize) else dtype
+
+        arrivals = []  # (key, into, received, dtypes): cast back after the wait
         for a in batch:
             key, v = (a.chunk, a.mb), self._vstage(a.chunk)
             peer = self.mesh.stage_rank(peer_rank(self.mesh.pp_rank, a, self.mesh.layout.pp))
@@ -63,27 +79,28 @@ class PipelineRunner:
             if a.op is Op.SEND_F:
                 out = as_tuple(st.outputs[key])
                 check_boundary(v, out, self.boundaries[v])
-                tensors = [t.detach().contiguous() for t in out]
+                tensors = [t.detach().to(on_wire(t.dtype)).contiguous() for t in out]
             elif a.op is Op.SEND_B:
                 ins = st.inputs.pop(key)
-                tensors = [(t.grad if t.grad is not None else torch.zeros_like(t)).contiguous()
+                tensors = [(t.grad if t.grad is not None else torch.zeros_like(t)).to(on_wire(t.dtype)).contiguous()
                            for t, m in zip(ins, self.boundaries[v - 1]) if m.has_grad]
             elif a.op is Op.RECV_F:
-                tensors = [torch.empty(m.shape, dtype=m.dtype, device=dev)
-                           for m in self.boundaries[v - 1]]
-                st.inputs[key] = tuple(tensors)
+                metas = self.boundaries[v - 1]
+                tensors = [torch.empty(m.shape, dtype=on_wire(m.dtype), device=dev) for m in metas]
+                arrivals.append((st.inputs, key, tensors, [m.dtype for m in metas]))
             else:
-                tensors = [torch.empty(m.shape, dtype=m.dtype, device=dev)
-                           for m in self.boundaries[v] if m.has_grad]
-                st.grads_in[key] = tuple(tensors)
+                metas = [m for m in self.boundaries[v] if m.has_grad]
+                tensors = [torch.empty(m.shape, dtype=on_wire(m.dtype), device=dev) for m in metas]
+                arrivals.append((st.grads_in, key, tensors, [m.dtype for m in metas]))
             fn = dist.isend if a.op in (Op.SEND_F, Op.SEND_B) else dist.irecv
             ops += [dist.P2POp(fn, t, peer, group) for t in tensors]
         activity.mark("pp", comm=True, detail=where)  # for the watchdog: no I/O
         for w in dist.batch_isend_irecv(ops):
             w.wait()
-        for a in batch:
-            if a.op is Op.RECV_F:
-                for t in st.inputs[(a.chunk, a.mb)]:
+        for into, key, got, dtypes in arrivals:
+            into[key] = tuple(t.to(d) for t, d in zip(got, dtypes))
+            if into is st.inputs:
+                for t in into[key]:
                     if t.dtype.is_floating_point:
                         t.requires_grad_(True)
 
@@ -123,6 +140,20 @@ class PipelineRunner:
 
     def run(self, actions: list[Action], inputs: list, targets: list) -> StepState:
         st = StepState()
+        # this step's working weights (bf16/fp16): cast once, shared by every micro-batch
+        working = [w for ch in self.chunks for w in getattr(ch, "cast_weights", list)()]
+        st.working_bytes = sum(w.numel() * w.element_size() for w in working)
+        if self.meter is not None:  # state, counted once, not an activation per micro-batch
+            self.meter.exclude(working)
+        try:
+            self._run(actions, inputs, targets, st)
+        finally:
+            for ch in self.chunks:
+                if hasattr(ch, "drop_weights"):
+                    ch.drop_weights()
+        return st
+
+    def _run(self, actions: list[Action], inputs: list, targets: list, st: StepState) -> None:
         for batch in steps(actions):
             t0 = time.perf_counter()
             a = batch[0]
@@ -138,4 +169,3 @@ class PipelineRunner:
                 t1 = time.perf_counter()
                 for done in batch:
                     self.on_action(done, t0, t1)
-        return st

@@ -2,6 +2,12 @@
 
 Each takes its process group explicitly; a None group (tp=1) makes it the identity.
 
+Under bf16/fp16 autocast the fp32 tensors a tp region exchanges (the gradient of a
+column-parallel input, summed in backward; a sequence-parallel region's fp32 norm output,
+gathered for its Linears, and its gradient, reduce-scattered) travel in the autocast dtype,
+as Megatron's do: half the bytes. The forward gather feeds Linears that autocast would round
+to that dtype anyway (the same rounding); the backward sums gain one rounding of the sum.
+
   copy_to_tp      forward: identity      backward: all-reduce   (input of column-parallel)
   reduce_from_tp  forward: all-reduce    backward: identity     (output of row-parallel)
   gather_from_tp  forward: all-gather    backward: take shard   (along ``dim``)
@@ -21,21 +27,34 @@ def _size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
-def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
-    """Sum over the group into a new tensor (inputs may be saved by autograd elsewhere)."""
-    out = x.clone(memory_format=torch.contiguous_format)
+def wire_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The autocast dtype when autocast is on for ``x``'s device and ``x`` is a wider floating
+    tensor (what a forward records for its backward, which runs outside autocast), else None."""
+    dev = x.device.type
+    if x.is_floating_point() and torch.is_autocast_enabled(dev):
+        dtype = torch.get_autocast_dtype(dev)
+        if x.dtype.itemsize > dtype.itemsize:
+            return dtype
+    return None
+
+
+def all_reduce(x: torch.Tensor, group, wire: torch.dtype | None = None) -> torch.Tensor:
+    """Sum over the group into a new tensor (inputs may be saved by autograd elsewhere),
+    in ``wire`` dtype if given."""
+    out = x.to(wire or x.dtype, memory_format=torch.contiguous_format, copy=True)
     outer = activity.enter("tp all-reduce")  # for the watchdog: an attribute write, no I/O
     dist.all_reduce(out, group=group)
     activity.leave(outer)
-    return out
+    return out.to(x.dtype)
 
 
-def all_gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
-    parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(_size(group))]
+def all_gather(x: torch.Tensor, group, dim: int, wire: torch.dtype | None = None) -> torch.Tensor:
+    src = (x.to(wire) if wire is not None else x).contiguous()
+    parts = [torch.empty_like(src) for _ in range(_size(group))]
     outer = activity.enter("tp all-gather")
-    dist.all_gather(parts, x.contiguous(), group=group)
+    dist.all_gather(parts, src, group=group)
     activity.leave(outer)
-    return torch.cat(parts, dim=dim)
+    return torch.cat(parts, dim=dim).to(x.dtype)
 
 
 def shard(x: torch.Tensor, group, dim: int) -> torch.Tensor:
@@ -43,27 +62,27 @@ def shard(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     return x.chunk(n, dim=dim)[r].contiguous()
 
 
-def reduce_scatter(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+def reduce_scatter(x: torch.Tensor, group, dim: int, wire: torch.dtype | None = None) -> torch.Tensor:
     """Sum over the group, keep this rank's 1/n of ``dim``: the ranks' chunks along ``dim``
-    laid end to end, one flat reduce-scatter."""
+    laid end to end, one flat reduce-scatter (in ``wire`` dtype if given)."""
     n = _size(group)
     parts = x.chunk(n, dim=dim)
-    out = torch.empty_like(parts[0], memory_format=torch.contiguous_format)
+    out = torch.empty_like(parts[0], memory_format=torch.contiguous_format, dtype=wire or x.dtype)
     outer = activity.enter("tp reduce-scatter")
-    reduce_scatter_flat(out.view(-1), torch.cat([p.reshape(-1) for p in parts]), group)
+    reduce_scatter_flat(out.view(-1), torch.cat([p.reshape(-1) for p in parts]).to(out.dtype), group)
     activity.leave(outer)
-    return out
+    return out.to(x.dtype)
 
 
 class _CopyTo(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        ctx.group = group
+        ctx.group, ctx.wire = group, wire_dtype(x)
         return x
 
     @staticmethod
     def backward(ctx, g):
-        return all_reduce(g, ctx.group), None
+        return all_reduce(g, ctx.group, ctx.wire), None
 
 
 class _ReduceFrom(torch.autograd.Function):
@@ -114,12 +133,12 @@ class _GatherFromSeq(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return all_gather(x, group, dim)
+        ctx.group, ctx.dim, ctx.wire = group, dim, wire_dtype(x)
+        return all_gather(x, group, dim, ctx.wire)
 
     @staticmethod
     def backward(ctx, g):
-        return reduce_scatter(g, ctx.group, ctx.dim), None, None
+        return reduce_scatter(g, ctx.group, ctx.dim, ctx.wire), None, None
 
 
 def copy_to_tp(x, group):
