@@ -121,7 +121,7 @@ def format_table(rows: list[Row], c: Cluster, per: str = "tok/s") -> str:
     head = (f"{'#':>2} {'dp':>4} " + (f"{'cp':>3} " if cp else "") + f"{'tp':>2} {'pp':>3} {'mb x M':>9} {'schedule':>13} {'recomp':>9} "
             f"{'zero1':>5} {'sp':>3} {'step s':>8} {per:>9} {'MFU':>5} {'bubble':>6} "
             f"{'tp s':>7} {'pp s':>7} {'dp s':>7} | {'params':>7} {'grads':>7} {'optim':>7} "
-            f"{'activ':>7} {'total':>7} {unit:>3} fits")
+            f"{'activ':>7} {'work':>7} {'total':>7} {unit:>3} fits")
     lines = [head, "-" * len(head)]
     for i, r in enumerate(rows, 1):
         p, q, mem = r.plan, r.pred, r.mem
@@ -130,7 +130,8 @@ def format_table(rows: list[Row], c: Cluster, per: str = "tok/s") -> str:
             f"{p.recompute:>9} {'y' if p.zero1 else '-':>5} {'y' if p.sequence_parallel else '-':>3} "
             f"{q.step_time:8.3f} {r.tokens_per_s:9.0f} {r.mfu:5.1%} {q.bubble:6.1%} "
             f"{q.comm['tp']:7.3f} {q.comm['pp']:7.3f} {q.comm['dp']:7.3f} | "
-            + " ".join(f"{_mem(mem[k], big):>7}" for k in ("params", "grads", "optimizer", "activations", "total"))
+            + " ".join(f"{_mem(mem.get(k, 0.0), big):>7}"
+                       for k in ("params", "grads", "optimizer", "activations", "working", "total"))
             + f"     {'yes' if r.fits else 'NO'}")
     return "\n".join(lines)
 

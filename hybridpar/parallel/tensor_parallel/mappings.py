@@ -31,7 +31,7 @@ def wire_dtype(x: torch.Tensor) -> torch.dtype | None:
     """The autocast dtype when autocast is on for ``x``'s device and ``x`` is a wider floating
     tensor (what a forward records for its backward, which runs outside autocast), else None."""
     dev = x.device.type
-    if x.is_floating_point() and torch.is_autocast_enabled(dev):
+    if x.is_floating_point() and torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev):
         dtype = torch.get_autocast_dtype(dev)
         if x.dtype.itemsize > dtype.itemsize:
             return dtype
