@@ -12,7 +12,7 @@ def test_cpu_part_runs_every_check_and_passes(capsys):
     lines = [line for line in out.splitlines() if line.startswith("[")]
     assert rc == 0 and not [x for x in lines if x.startswith("[FAIL]")], out
     for name in ("env", "fp32 cpu vs cpu", "bf16 cpu vs cpu", "recompute=selective cpu",
-                 "recompute=full cpu", "checkpoint cpu -> cpu", "throughput cpu",
+                 "recompute=full cpu", "checkpoint cpu -> cpu", "compile cpu", "throughput cpu",
                  "dist 2 2x1x1 (gloo)", "dist 2 1x1x1 cp2 (gloo)", "dist 2 1x1x2 zero1 tied (gloo)",
                  "watchdog"):
         assert any(x.split("] ", 1)[1].startswith(name + ":") for x in lines), (name, out)

@@ -13,6 +13,8 @@ Every check runs the library's own code path on ``--device`` (default: cuda when
                tests/test_memory_features.py (3.9e-3 step 1, 3.2e-2 later and gradients)
   recompute    selective and full recomputation on the device: bitwise the run without
   checkpoint   a checkpoint written by a device run loads bitwise into a CPU process
+  compile      train.compile=true on the device against the eager run there (fp32 tolerances:
+               inductor reorders additions), with the time it took, compilation included
   throughput   a larger Llama (~1B parameters; --quick: the tiny one) in bf16: tokens/s, MFU
                against the device's preset peak, and the allocator's peak memory against the
                planner's prediction (PASS within 15%; the planner does not model the caching
@@ -114,6 +116,15 @@ def check_recompute(say: Report, device: str) -> None:
         same = r["losses"] == base["losses"] and all(r["params"][k].equal(v) for k, v in base["params"].items())
         say(f"recompute={mode} {device}", same, "bitwise the run without recomputation" if same
             else f"losses {r['losses']} vs {base['losses']}")
+
+
+def check_compile(say: Report, device: str) -> None:
+    cfg = tiny_config(steps=4, n_layers=2)
+    eager = _single(cfg, device)
+    t0 = time.perf_counter()
+    compiled = _single(replace(cfg, train=replace(cfg.train, compile=True)), device)
+    ok, detail = _compare(compiled, eager, "fp32")
+    say(f"compile {device}", ok, f"{detail}; {time.perf_counter() - t0:.0f} s with compilation")
 
 
 def check_checkpoint(say: Report, device: str) -> None:
@@ -275,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         say.guarded(f"bf16 {d} vs cpu", check_precision, say, d, "bf16")
         say.guarded(f"recompute {d}", check_recompute, say, d)
         say.guarded(f"checkpoint {d} -> cpu", check_checkpoint, say, d)
+        say.guarded(f"compile {d}", check_compile, say, d)
         say.guarded(f"throughput {d}", check_throughput, say, d, a.quick)
         for n in a.ranks:
             say.guarded(f"dist {n}", check_dist, say, d, n)
