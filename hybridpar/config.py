@@ -123,8 +123,8 @@ class ParallelConfig:
                            "stage is predicted fastest (stem and head included); empty = by count, "
                            "or auto when the blocks' costs differ (a CNN's stages)")
     bucket_mb: float = _f(0.0, "data-parallel gradient bucket size in MiB; 0 = auto: an eighth of the "
-                               "stage's gradients, between 1 and 25 MiB, so the first all-reduces "
-                               "start while backward still runs even for a small model", ge=0)
+                               "stage's gradients, between 1 and 25 MiB (up to 100 MiB beyond 8 replicas), "
+                               "so the first all-reduces start while backward still runs", ge=0)
 
     @property
     def world_size(self) -> int:
@@ -344,14 +344,18 @@ def pp_split(n_layers: int, pp: int, spec: str = "") -> list[int]:
     return [base + (1 if s < extra else 0) for s in range(pp)]
 
 
-def bucket_bytes(grad_bytes: int, bucket_mb: float) -> int:
-    """Gradient bucket size for a stage holding ``grad_bytes`` of gradients: ``bucket_mb`` MiB,
-    or (0, auto) an eighth of them clamped to [1, 25] MiB. One 25 MiB bucket for a 20 MiB stage
-    would start its all-reduce only after the last backward, exposing all of it (measured: 2-5%
-    of a dp=2 step here); eight buckets overlap all but the last with backward."""
+def bucket_bytes(grad_bytes: int, bucket_mb: float, dp: int = 1) -> int:
+    """Gradient bucket size for a stage holding ``grad_bytes`` of gradients, reduced over ``dp``
+    replicas: ``bucket_mb`` MiB, or (0, auto) an eighth of them clamped to [1 MiB, cap]. One
+    25 MiB bucket for a 20 MiB stage would start its all-reduce only after the last backward,
+    exposing all of it (measured: 2-5% of a dp=2 step here); eight buckets overlap all but the
+    last with backward. The cap is 25 MiB (DDP's) up to 8 replicas and grows with dp beyond
+    them, to 100 MiB at dp >= 32: a ring all-reduce pays 2(dp-1) latencies per bucket, which
+    larger buckets amortise across nodes (Megatron's buckets are ~40M elements)."""
     if bucket_mb > 0:
         return int(bucket_mb * 2**20)
-    return int(min(25 * 2**20, max(2**20, -(-grad_bytes // 8))))
+    cap = 25 * 2**20 * min(4, max(1, dp // 8))
+    return int(min(cap, max(2**20, -(-grad_bytes // 8))))
 
 
 def precision_of(t: "TrainConfig", device) -> str:

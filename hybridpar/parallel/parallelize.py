@@ -348,7 +348,8 @@ def parallelize(cfg: Config, mesh: ParallelMesh, *, spec: ModelSpec | None = Non
     # ZeRO-1 state sharded) over the dp x cp replicas of this (tp, pp) shard
     sync = GradSync.build(list(params.values()), group=mesh.group("dcp"), n_accum=p.microbatches,
                           bucket_bytes=bucket_bytes(sum(q.numel() * q.element_size()
-                                                        for q in params.values()), p.bucket_mb),
+                                                        for q in params.values()), p.bucket_mb,
+                                                    mesh.layout.replicas),
                           zero1=p.zero1, own_bucket=tuple(_shared_across_stages(model, spec, mesh)),
                           reduce_dtype=torch.bfloat16 if p.grad_reduce_dtype == "bf16" else None)
     amp = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision_of(cfg.train, mesh.device)]

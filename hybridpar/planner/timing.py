@@ -141,7 +141,7 @@ def _post_schedule(n: int, plan: Plan, c: Cluster, last_bwd: float,
     else:
         sync = collective_time(c, "all-reduce", r, grads, inter=inter, world=plan.world)
         gather = 0.0
-    buckets = max(1, -(-grads // bucket_bytes(int(grads), 0)))
+    buckets = max(1, -(-grads // bucket_bytes(int(grads), 0, r)))
     exposed = sync - min(last_bwd, sync * (buckets - 1) / buckets)
     shard = r if plan.zero1 else 1
     per_param = c.overhead.get("param") or OPT_BYTES / c.elementwise_bw(_threads(c, plan))
