@@ -210,3 +210,18 @@ def test_alpha_beta_fit_recovers_a_line():
 
     alpha, beta = _fit([(b, 2e-4 + b * 1e-9) for b in (4e3, 6.4e4, 5e5, 2e6, 8e6)])
     assert alpha == pytest.approx(2e-4, rel=1e-6) and beta == pytest.approx(1e-9, rel=1e-6)
+
+
+def test_dp_overlap_needs_an_idle_core():
+    """The dp buckets launched during the last backward hide behind it on a GPU (its NCCL
+    kernels run beside the compute); on a CPU whose cores the ranks fill, the reduction runs on
+    the cores the backward uses, and the whole all-reduce is exposed."""
+    from hybridpar.planner.costs import Plan, collective_time
+
+    n, plan = 20_000_000, Plan(2, 1, 1, 4, 4)
+    gpu = replace(PRESETS["h100-80g"], nodes=1, devices_per_node=2)
+    cpu = replace(PRESETS["cpu"], nodes=1, devices_per_node=2, cores=2)
+    for c, hidden in ((gpu, True), (cpu, False)):
+        sync = collective_time(c, "all-reduce", 2, 4.0 * n, world=plan.world)
+        _, exposed = timing._post_schedule(n, plan, c, last_bwd=10.0, slow=1.0)
+        assert (exposed < 0.5 * sync) if hidden else exposed == pytest.approx(sync), (c.name, exposed, sync)

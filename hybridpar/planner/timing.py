@@ -6,7 +6,8 @@ block the rank, recomputation, and the framework's fixed per-layer / per-action 
 ``pipeline.simulate`` runs the very action lists ``hybridpar train`` executes with them, the p2p
 transfer as each message's time. After the schedule, per stage: the dp gradient all-reduce
 (ZeRO-1: reduce-scatter + parameter all-gather), of which all buckets but the last are assumed
-hidden behind the last backward (they are launched as they become ready), the optimizer, and
+hidden behind the last backward (they are launched as they become ready) unless the ranks fill
+a CPU's cores (then the reduction competes with the backward for them: none is hidden), the optimizer, and
 the per-step overhead. The step ends when the slowest stage is done (the runtime's step-end
 all-reduce of loss and norm synchronises every rank).
 
@@ -142,7 +143,10 @@ def _post_schedule(n: int, plan: Plan, c: Cluster, last_bwd: float,
         sync = collective_time(c, "all-reduce", r, grads, inter=inter, world=plan.world)
         gather = 0.0
     buckets = max(1, -(-grads // bucket_bytes(int(grads), 0, r)))
-    exposed = sync - min(last_bwd, sync * (buckets - 1) / buckets)
+    hidden = min(last_bwd, sync * (buckets - 1) / buckets)
+    if c.cores and plan.world * _threads(c, plan) >= c.cores:
+        hidden = 0.0  # a CPU with no idle core: the reduction runs on the cores backward uses
+    exposed = sync - hidden
     shard = r if plan.zero1 else 1
     per_param = c.overhead.get("param") or OPT_BYTES / c.elementwise_bw(_threads(c, plan))
     opt = (n / shard + n) / 2 * per_param * slow  # the moments on the shard; norm/zero on all
