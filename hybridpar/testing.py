@@ -109,7 +109,7 @@ def injected(bug: str | None):
     from .parallel.tensor_parallel import apply as tp_apply
 
     if bug == "drop_tp_allreduce":  # row-parallel output not summed over tp
-        target, name, new = tp_apply, "reduce_from_tp", lambda x, group: x
+        target, name, new = tp_apply, "reduce_from_tp", lambda x, group, **kw: x
     elif bug == "bias_added_tp_times":  # row-parallel bias added on every tp rank, then summed
         import torch.nn.functional as F
         target, name = tp_apply, "_row_forward"

@@ -200,7 +200,7 @@ def apply_tp(model: nn.Module, mesh: ParallelMesh, plan: dict[str, str], *,
         leave = functools.partial(reduce_scatter_to_tp, group=group, dim=1)
     else:
         enter = lambda m, args: (copy_to_tp(args[0], group), *args[1:])  # noqa: E731
-        leave = functools.partial(reduce_from_tp, group=group)
+        leave = functools.partial(reduce_from_tp, group=group, inplace=True)  # _row_forward's product
     split: dict[str, int] = {}
     for name, module in list(model.named_modules()):
         for style in style_of(plan, name):
