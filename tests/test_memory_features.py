@@ -201,14 +201,17 @@ def test_bf16_pipeline_messages_travel_in_bf16(monkeypatch):
         def wait(self):
             pass
 
+        def is_completed(self):
+            return True
+
     def batch(ops):
-        for fn, t in ops:
+        for fn, t in ((o.op, o.tensor) for o in ops):
             wire.append((fn.__name__, t.dtype))
             if fn is dist.irecv:
                 t.fill_(1 / 3)  # what the peer sent, rounded to the wire dtype
         return [_Done() for _ in ops]
 
-    monkeypatch.setattr(dist, "P2POp", lambda fn, t, peer, group: (fn, t))
+    monkeypatch.setattr(dist, "P2POp", lambda fn, t, peer, group: SimpleNamespace(op=fn, tensor=t))
     monkeypatch.setattr(dist, "batch_isend_irecv", batch)
     mesh = SimpleNamespace(group=lambda axis: None, device=torch.device("cpu"), pp_rank=0,
                            layout=SimpleNamespace(pp=2), stage_rank=lambda r: r)

@@ -155,7 +155,12 @@ def test_interleaved_needs_megatron_comm_placement():
             out += [A(recv, a.mb, a.chunk)] * has_recv + [a] + [A(send, a.mb, a.chunk)] * has_send
         naive.append(out)
     with pytest.raises(ScheduleError, match="deadlock: rank 0 blocked"):
-        simulate(naive, p, c)
+        simulate(naive, p, c, sends="blocking")
+    # with sends left to complete in the background (Gloo) the cycle of waits is gone, but a
+    # transport that completes a batch as one (NCCL's group) would hang: check proves both
+    simulate(naive, p, c, sends="deferred")
+    with pytest.raises(ScheduleError, match="deadlock: rank 0 blocked"):
+        check(naive, p, c)
 
 
 # Every (pp, v, M) the config accepts for evaluation: flat schedules any M, interleaved M % pp == 0.
@@ -207,3 +212,75 @@ def test_forward_only_follows_the_training_order_of_its_schedule():
     assert [a for a in forward_only(p, m, c)[0] if a.op is F] == fwd
     with pytest.raises(ValueError, match="multiple of n_stages=2"):
         forward_only(2, 3, 2)
+
+
+def test_deferred_sends_let_a_stage_go_on():
+    """A fast stage 0 does not wait for a slow stage 1 to post its receive: under "deferred"
+    F2 starts as soon as F1 ends; under "blocking" it waits for rank 1's RECV_F1 (t = 4). The
+    send itself still completes at the rendezvous, and the step ends when it has."""
+    r0 = [A(F, 0), A(SF, 0), A(F, 1), A(SF, 1), A(F, 2), A(SF, 2)]
+    r1 = [A(RF, 0), A(F, 0), A(RF, 1), A(F, 1), A(RF, 2), A(F, 2)]
+
+    def dur(rank, a):
+        return 3.0 if rank == 1 else 1.0
+
+    def start(res, rank, action):
+        return next(e.start for e in res.events if e.rank == rank and e.action == action)
+
+    def end(res, rank, action):
+        return next(e.end for e in res.events if e.rank == rank and e.action == action)
+
+    blocking = simulate([r0, r1], 2, duration=dur, backward=False, sends="blocking")
+    deferred = simulate([r0, r1], 2, duration=dur, backward=False, sends="deferred")
+    assert start(blocking, 0, A(F, 2)) == 4.0 and start(deferred, 0, A(F, 2)) == 2.0
+    assert end(deferred, 0, A(SF, 1)) == 4.0  # completes when rank 1 posts RECV_F1
+    assert blocking.makespan == deferred.makespan == 10.0
+    with pytest.raises(ValueError, match="sends="):
+        simulate([r0, r1], 2, backward=False, sends="eager")
+
+
+def test_runner_waits_for_receives_now_and_sends_at_the_end(monkeypatch):
+    """The runtime's half of "deferred": in a batch of one handle per op, receives are waited on
+    before the batch returns and sends only when the step's list is done; one handle for the
+    whole batch (a coalescing transport) is waited on at once."""
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+
+    from hybridpar.parallel.pipeline.boundaries import TensorMeta
+    from hybridpar.parallel.pipeline.runtime import PipelineRunner, StepState
+
+    log = []
+
+    class Work:
+        def __init__(self, name):
+            self.name = name
+
+        def wait(self):
+            log.append(("wait", self.name))
+
+        def is_completed(self):
+            return False
+
+    coalesce = [False]
+
+    def batch(ops):
+        names = [o.op.__name__ for o in ops]
+        return [Work("+".join(names))] if coalesce[0] else [Work(n) for n in names]
+
+    monkeypatch.setattr(dist, "P2POp", lambda fn, t, peer, group: SimpleNamespace(op=fn, tensor=t))
+    monkeypatch.setattr(dist, "batch_isend_irecv", batch)
+    mesh = SimpleNamespace(group=lambda axis: None, device=torch.device("cpu"), pp_rank=0,
+                           layout=SimpleNamespace(pp=2), stage_rank=lambda r: r)
+    meta = (TensorMeta((2, 4), torch.float32),)
+    runner = PipelineRunner([], mesh, 1, [meta], loss_fn=None)
+    for coalesced, waits, left in ((False, [("wait", "irecv")], 1), (True, [("wait", "isend+irecv")], 0)):
+        coalesce[0], st = coalesced, StepState()
+        log.clear()
+        st.outputs[(0, 0)] = torch.randn(2, 4)
+        runner._comm((A(SF, 0), A(RB, 0)), st)
+        assert log == waits and len(st.sending) == left
+        assert runner.sends == ("blocking" if coalesced else "deferred")
+        runner._drain(st)
+        assert log == waits + [("wait", "isend")] * left and not st.sending

@@ -55,6 +55,12 @@ class Tracer:
         self.phase = "train"
         self.origin = 0.0
         self._t_grads_done: float | None = None
+        self._runner = None
+
+    @property
+    def sends(self) -> str | None:
+        """How the traced run's pipeline sends completed (``simulate``'s ``sends``)."""
+        return getattr(self._runner, "sends", None)
 
     def sync_clock(self) -> None:
         if dist.is_initialized():
@@ -85,6 +91,7 @@ class Tracer:
     # -- installation on a Trainer, from outside -------------------------------------------
     def install(self, trainer) -> "Tracer":
         trainer.runner.on_action = self.on_action
+        self._runner = trainer.runner
         self._wrap_grad_sync(trainer.pm.grad_sync)
         self._wrap_step(trainer)
         self.sync_clock()
@@ -178,7 +185,7 @@ def theory(pp: int, m: int, v: int = 1) -> float:
 
 
 def simulated(events: list[Event], *, stage_of: dict[int, int], schedule: str, pp: int,
-              microbatches: int, virtual_stages: int = 1) -> float:
+              microbatches: int, virtual_stages: int = 1, sends: str = "deferred") -> float:
     """Bubble of the same schedule in the simulator, with this run's mean forward and backward
     time of each (stage, chunk) and free communication: what is left once transfers, waits and
     run-to-run noise are removed, i.e. the bubble of the schedule plus the stages' imbalance."""
@@ -198,7 +205,7 @@ def simulated(events: list[Event], *, stage_of: dict[int, int], schedule: str, p
         return mean[(rank, action.chunk, "forward" if action.op is Op.FWD else "backward")]
 
     sched = build(schedule, pp, microbatches, virtual_stages)
-    return simulate(sched, pp, virtual_stages, duration=duration).bubble_fraction
+    return simulate(sched, pp, virtual_stages, duration=duration, sends=sends).bubble_fraction
 
 
 def steps_of(events: list[Event]) -> list[int]:
@@ -254,7 +261,8 @@ def timeline_png(events: list[Event], path: str, *, step: int, title: str = "") 
 
 
 def write(events: list[Event], json_path: str, *, pp: int, microbatches: int, schedule: str,
-          virtual_stages: int = 1, stage_of: dict[int, int] | None = None) -> dict:
+          virtual_stages: int = 1, stage_of: dict[int, int] | None = None,
+          sends: str = "deferred") -> dict:
     """Write the Chrome trace and the PNG timeline (``<json_path minus .json>.png``) and return
     the bubble summary (the last step is drawn: the first one includes warm-up)."""
     steps = steps_of(events)
@@ -267,7 +275,7 @@ def write(events: list[Event], json_path: str, *, pp: int, microbatches: int, sc
     if stage_of is not None and pp > 1:
         summary["simulated_measured_durations"] = simulated(
             events, stage_of=stage_of, schedule=schedule, pp=pp, microbatches=microbatches,
-            virtual_stages=virtual_stages)
+            virtual_stages=virtual_stages, sends=sends)
     with open(json_path, "w") as fh:
         json.dump(chrome_trace(with_idle(events), meta={"bubble": summary, "schedule": schedule, "pp": pp,
                                              "microbatches": microbatches}), fh)
@@ -306,7 +314,8 @@ def finish(tracer: Tracer, cfg, *, log=None) -> dict | None:
     layout = Layout.of(p)
     stage_of = {r: layout.coords(r)["pp"] for r in range(layout.world_size)}
     summary = write(events, cfg.train.trace, pp=p.pp, microbatches=p.microbatches,
-                    schedule=p.schedule, virtual_stages=p.virtual_stages, stage_of=stage_of)
+                    schedule=p.schedule, virtual_stages=p.virtual_stages, stage_of=stage_of,
+                    sends=tracer.sends or "deferred")
     line = (f"trace: {cfg.train.trace} and {summary['png']}; pipeline bubble measured "
             f"{summary['measured_mean']:.3f} (mean over steps after the first; last step "
             f"{summary['measured_last']:.3f}) vs theory (p-1)/(v*m+p-1) = {summary['theory']:.3f}")

@@ -69,6 +69,12 @@ class Cluster:
     """Bytes of an activation element in the compute dtype (2: bf16 autocast, 4: fp32)."""
 
     @property
+    def sends(self) -> str:
+        """How pipeline sends complete (``simulate``'s ``sends``): Gloo returns one handle per
+        op, so the runtime defers each send; NCCL completes a coalesced batch as one."""
+        return "deferred" if self.backend == "gloo" else "blocking"
+
+    @property
     def world(self) -> int:
         return self.nodes * self.devices_per_node
 

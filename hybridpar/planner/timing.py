@@ -155,7 +155,8 @@ def _post_schedule(n: int, plan: Plan, c: Cluster, last_bwd: float,
 
 
 @lru_cache(maxsize=4096)
-def _makespan(name: str, p: int, M: int, v: int, fwd: tuple, bwd: tuple, tc: float, quick: bool):
+def _makespan(name: str, p: int, M: int, v: int, fwd: tuple, bwd: tuple, tc: float, quick: bool,
+              sends: str = "blocking"):
     """(makespan, per-rank end, bubble, method) of the schedule with these per-virtual-stage
     durations and message time ``tc``; cached, as layouts differing only after the schedule
     (ZeRO-1, say) share it."""
@@ -163,7 +164,7 @@ def _makespan(name: str, p: int, M: int, v: int, fwd: tuple, bwd: tuple, tc: flo
     def sim(mbs: int):
         r = simulate(build(name, p, mbs, v), p, v,
                      duration=lambda rank, a: (fwd if a.op is Op.FWD else bwd)[a.chunk * p + rank],
-                     comm_time=lambda rank, a: tc)
+                     comm_time=lambda rank, a: tc, sends=sends)
         ends = [0.0] * p
         for ev in r.events:
             ends[ev.rank] = max(ends[ev.rank], ev.end)
@@ -269,7 +270,8 @@ def predict_time(m, plan: Plan, c: Cluster, *, quick: bool = False) -> Predictio
         costs = model.chunks(slow, busy_ranks)
         fwd, bwd = [x[0] for x in costs], [x[1] for x in costs]
         makespan, ends, bubble, method = _makespan(plan.schedule, p, plan.microbatches,
-                                                   plan.virtual_stages, tuple(fwd), tuple(bwd), tc, quick)
+                                                   plan.virtual_stages, tuple(fwd), tuple(bwd), tc, quick,
+                                                   c.sends)
         compute = sum(f + b for f, b, _ in costs) * plan.microbatches
         busy_ranks = plan.world * (compute / (p * makespan) if makespan else 1.0)
         slow = c.contention(busy_ranks)

@@ -2,9 +2,13 @@
 
 The list is cut into what is issued at once by ``schedules.steps`` and each message's peer is
 ``schedules.peer_rank``: the very rules the simulator uses when it checks the list, so the
-runtime executes exactly what was proven deadlock-free (a batch of SEND/RECV actions is posted
-with ``batch_isend_irecv`` and waited on as one). With pp=1 the list is just F0 B0 F1 B1 ...:
-plain gradient accumulation through the same code.
+runtime executes exactly what was proven deadlock-free. A batch of SEND/RECV actions is posted
+with ``batch_isend_irecv``; its receives are waited on at once, its sends only when the step ends
+(or earlier, once complete, to free their buffers), as the simulator's ``sends="deferred"``
+models: a stage that finished a forward goes on instead of waiting for its neighbour to post the
+receive. A transport that returns one handle for the whole batch (NCCL's coalesced group) gets
+that handle waited on at once, the simulator's ``"blocking"``; ``check`` proves both. With pp=1
+the list is just F0 B0 F1 B1 ...: plain gradient accumulation through the same code.
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ class StepState:
     metrics: dict = field(default_factory=dict)     # last stage, evaluation: per-mb eval_fn
     max_in_flight: int = 0
     working_bytes: int = 0                          # the step's working weights (bf16/fp16)
+    sending: list = field(default_factory=list)     # deferred sends: (work, tensors) in flight
 
 
 @dataclass
@@ -49,6 +54,7 @@ class PipelineRunner:
     eval_fn: Callable | None = None  # (output, targets) -> metric tensor, in evaluation only
     on_action: Callable | None = None  # (action, t_start, t_end) for tracing
     meter: object | None = None  # memory.ActivationMeter
+    sends: str | None = None  # the simulator's name for what the transport did: set by _comm
 
     def _vstage(self, chunk: int) -> int:
         return chunk * self.mesh.layout.pp + self.mesh.pp_rank
@@ -65,6 +71,7 @@ class PipelineRunner:
         its floating tensors, in the same order on both sides; floating tensors wider than the
         wire dtype are cast to it for the trip and back on arrival."""
         group, ops, where, dev = self.mesh.group("pp"), [], [], self.mesh.device
+        st.sending = [(w, ts) for w, ts in st.sending if not w.is_completed()]  # free buffers
         wire = self.wire_dtype
 
         def on_wire(dtype: torch.dtype) -> torch.dtype:
@@ -95,8 +102,14 @@ class PipelineRunner:
             fn = dist.isend if a.op in (Op.SEND_F, Op.SEND_B) else dist.irecv
             ops += [dist.P2POp(fn, t, peer, group) for t in tensors]
         activity.mark("pp", comm=True, detail=where)  # for the watchdog: no I/O
-        for w in dist.batch_isend_irecv(ops):
-            w.wait()
+        works = dist.batch_isend_irecv(ops)
+        deferred = len(works) == len(ops)  # one handle per op: each completes on its own
+        self.sends = "deferred" if deferred else "blocking"
+        for w, op in zip(works, ops) if deferred else ((w, None) for w in works):
+            if op is not None and op.op is dist.isend:
+                st.sending.append((w, op.tensor))  # the buffer lives until the send is done
+            else:
+                w.wait()
         for into, key, got, dtypes in arrivals:
             into[key] = tuple(t.to(d) for t, d in zip(got, dtypes))
             if into is st.inputs:
@@ -153,6 +166,14 @@ class PipelineRunner:
                     ch.drop_weights()
         return st
 
+    def _drain(self, st: StepState) -> None:
+        """Wait for the step's deferred sends (the simulator's end-of-step wait)."""
+        if st.sending:
+            activity.mark("pp", comm=True, detail=f"{len(st.sending)} deferred sends")
+            for w, _ in st.sending:
+                w.wait()
+            st.sending.clear()
+
     def _run(self, actions: list[Action], inputs: list, targets: list, st: StepState) -> None:
         for batch in steps(actions):
             t0 = time.perf_counter()
@@ -169,3 +190,4 @@ class PipelineRunner:
                 t1 = time.perf_counter()
                 for done in batch:
                     self.on_action(done, t0, t1)
+        self._drain(st)

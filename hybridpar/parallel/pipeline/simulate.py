@@ -1,11 +1,20 @@
 """Run a pipeline schedule as a discrete-event simulation: the validator and the timing model.
 
 The simulator executes the very lists the runtime interpreter runs, with the runtime's semantics:
-each maximal run of consecutive communication actions is one batch (``batch_isend_irecv``) that
-the rank waits on; an op completes only once its matching op is posted by the peer (rendezvous),
-so a batch ends at ``max(post time of its ops and of their peers' ops) + max comm time``.
-Messages between two ranks are matched in order (FIFO, no tags), per ordered pair of ranks,
-activations and gradients alike, as a tagless runtime would match them.
+each maximal run of consecutive communication actions is one batch (``batch_isend_irecv``); an op
+completes only once its matching op is posted by the peer (rendezvous), at ``max(post time of the
+two ops) + comm time``. What the rank waits for depends on the transport, named by ``sends``:
+
+- ``"deferred"`` (a transport that completes each op on its own, as Gloo does): the rank waits
+  for the batch's receives only; a send completes in the background and the rank waits for all
+  of its sends at the end of the step (``PipelineRunner`` drains them there). A stage that has
+  finished a forward goes on without waiting for its neighbour to post the receive.
+- ``"blocking"`` (a transport that completes a batch as one, as NCCL's coalesced group does on
+  its stream): the batch ends when every op in it, sends included, has completed.
+
+A list that runs under ``"blocking"`` also runs under ``"deferred"`` (deferral only removes
+waits), so ``check`` proves both. Messages between two ranks are matched in order (FIFO, no
+tags), per ordered pair of ranks, activations and gradients alike, as a tagless runtime would.
 
 Before timing, static checks catch malformed schedules (missing, duplicated or misordered
 compute, unmatched or out-of-order messages); the run itself catches deadlocks. Every failure is
@@ -22,6 +31,7 @@ from hybridpar.parallel.pipeline.schedules import Action, Op, Schedule, in_fligh
 __all__ = ["ScheduleError", "Event", "SimResult", "simulate", "check", "default_duration"]
 
 CostFn = Callable[[int, Action], float]
+SENDS = ("deferred", "blocking")
 
 
 class ScheduleError(ValueError):
@@ -154,10 +164,13 @@ def _check_messages(schedule: Schedule, n_stages: int) -> dict:
 
 def simulate(schedule: Schedule, n_stages: int, n_chunks: int = 1,
              duration: CostFn | None = None, comm_time: CostFn | None = None, *,
-             backward: bool = True) -> SimResult:
+             backward: bool = True, sends: str = "deferred") -> SimResult:
     """Validate ``schedule`` and time it; ``duration`` / ``comm_time`` map (rank, action) to
     seconds (defaults: F = 1, B = 2, messages free). ``backward=False`` checks a forward-only
-    (evaluation) list. Raises ``ScheduleError`` if it is invalid."""
+    (evaluation) list; ``sends`` is ``"deferred"`` or ``"blocking"`` (module docstring). Raises
+    ``ScheduleError`` if it is invalid."""
+    if sends not in SENDS:
+        raise ValueError(f"sends={sends!r} must be one of {SENDS}")
     if len(schedule) != n_stages:
         _fail(f"schedule has {len(schedule)} ranks but n_stages={n_stages}")
     if n_chunks < 1:
@@ -167,7 +180,7 @@ def simulate(schedule: Schedule, n_stages: int, n_chunks: int = 1,
     _check_coverage(schedule, n_stages, n_chunks, backward)
     where = _check_messages(schedule, n_stages)
     events, clock = _run(schedule, n_stages, where, duration or default_duration,
-                         comm_time or _no_comm_time)
+                         comm_time or _no_comm_time, sends == "deferred")
     busy = tuple(sum((e.end - e.start for e in events
                       if e.rank == r and not e.action.op.is_comm), 0.0) for r in range(n_stages))
     makespan = max(clock, default=0.0)
@@ -181,16 +194,20 @@ def simulate(schedule: Schedule, n_stages: int, n_chunks: int = 1,
 
 
 def _run(schedule: Schedule, n_stages: int, where: dict, duration: CostFn,
-         comm_time: CostFn) -> tuple[list[Event], list[float]]:
+         comm_time: CostFn, deferred: bool) -> tuple[list[Event], list[float]]:
     """Advance every rank as far as it can until none can move. Times follow from data flow
     alone (no shared resources), so the order ranks are visited in does not change them."""
     plan = [steps(acts) for acts in schedule]
     pos, clock = [0] * n_stages, [0.0] * n_stages
     posted: dict[tuple[int, int], float] = {}  # (rank, step index) -> time the batch was posted
     events: list[Event] = []
+    in_background: list[tuple[int, Action, float]] = []  # deferred sends: (rank, action, posted)
 
     def partner(r: int, a: Action) -> tuple[int, int, Action]:
         return where[a.op in (Op.RECV_F, Op.RECV_B), _message(r, a, n_stages)]
+
+    def is_send(a: Action) -> bool:
+        return a.op in (Op.SEND_F, Op.SEND_B)
 
     moved = True
     while moved:
@@ -205,32 +222,43 @@ def _run(schedule: Schedule, n_stages: int, where: dict, duration: CostFn,
                     if (r, pos[r]) not in posted:
                         posted[r, pos[r]] = t
                         moved = True
-                    peers = [partner(r, a)[:2] for a in step]
+                    waited = [a for a in step if not (deferred and is_send(a))]
+                    peers = [partner(r, a)[:2] for a in waited]
                     if any(p not in posted for p in peers):
                         break
-                    end = max([t] + [posted[p] for p in peers]) + max(comm_time(r, a) for a in step)
-                    events.extend(Event(r, a, t, end) for a in step)
+                    end = max([t] + [posted[p] for p in peers]) + max(
+                        (comm_time(r, a) for a in waited), default=0.0)
+                    events.extend(Event(r, a, t, end) for a in waited)
+                    in_background += [(r, a, t) for a in step if deferred and is_send(a)]
                 clock[r], pos[r], moved = end, pos[r] + 1, True
     blocked = []
     for r in range(n_stages):
         if pos[r] < len(plan[r]):
             step = plan[r][pos[r]]
-            waits = [f"rank {pr} to reach {b}" for pr, i, b in (partner(r, a) for a in step)
+            waits = [f"rank {pr} to reach {b}" for pr, i, b in
+                     (partner(r, a) for a in step if not (deferred and is_send(a)))
                      if (pr, i) not in posted]
             blocked.append(f"rank {r} blocked in batch [{', '.join(map(str, step))}] "
                            f"waiting for {', '.join(waits)}")
     if blocked:
         _fail("deadlock: " + "; ".join(blocked))
+    for r, a, t in in_background:  # every receive was posted: each send completes, and the
+        pr, i, _ = partner(r, a)  # rank waits for the last of them at the end of the step
+        end = max(t, posted[pr, i]) + comm_time(r, a)
+        events.append(Event(r, a, t, end))
+        clock[r] = max(clock[r], end)
     return events, clock
 
 
 def check(schedule: Schedule, n_stages: int, n_chunks: int = 1, *, backward: bool = True,
           what: str = "schedule") -> None:
-    """Validate the lists a runtime is about to execute (milliseconds, before the first step).
+    """Validate the lists a runtime is about to execute (milliseconds, before the first step),
+    under both send semantics, so they run on either kind of transport.
     A failure is a bug in a generator, never a user error: it is raised at start-up, naming the
     schedule, instead of a hang in the middle of a run."""
     try:
-        simulate(schedule, n_stages, n_chunks, backward=backward)
+        for sends in SENDS:
+            simulate(schedule, n_stages, n_chunks, backward=backward, sends=sends)
     except ScheduleError as e:
         raise ScheduleError(f"the {what} ({n_stages} stages, {n_chunks} chunks) would not run: "
                             f"{e}") from None
