@@ -75,7 +75,7 @@ def apply_native_tp(model: Transformer, tp_mesh, *, region_inputs: bool = True) 
     for lid in model.layers:
         if region_inputs:  # one Replicate DTensor per region: one backward all-reduce, not one per linear
             plan[f"layers.{lid}.attn"] = PrepareModuleInput(
-                input_layouts=(Replicate(), None, None), desired_input_layouts=(Replicate(), None, None))
+                input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),))
             plan[f"layers.{lid}.mlp"] = PrepareModuleInput(
                 input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),))
         for name in ("attn.wq", "attn.wk", "attn.wv", "mlp.w1", "mlp.w3"):
