@@ -37,7 +37,7 @@ class StepState:
     metrics: dict = field(default_factory=dict)     # last stage, evaluation: per-mb eval_fn
     max_in_flight: int = 0
     working_bytes: int = 0                          # the step's working weights (bf16/fp16)
-    sending: list = field(default_factory=list)     # deferred sends: (work, tensors) in flight
+    sending: list = field(default_factory=list)     # deferred sends: (work, tensor) in flight
 
 
 @dataclass
@@ -99,16 +99,20 @@ class PipelineRunner:
                 metas = [m for m in self.boundaries[v] if m.has_grad]
                 tensors = [torch.empty(m.shape, dtype=on_wire(m.dtype), device=dev) for m in metas]
                 arrivals.append((st.grads_in, key, tensors, [m.dtype for m in metas]))
-            fn = dist.isend if a.op in (Op.SEND_F, Op.SEND_B) else dist.irecv
+            fn = dist.isend if a.op.is_send else dist.irecv
             ops += [dist.P2POp(fn, t, peer, group) for t in tensors]
         activity.mark("pp", comm=True, detail=where)  # for the watchdog: no I/O
         works = dist.batch_isend_irecv(ops)
-        deferred = len(works) == len(ops)  # one handle per op: each completes on its own
-        self.sends = "deferred" if deferred else "blocking"
-        for w, op in zip(works, ops) if deferred else ((w, None) for w in works):
-            if op is not None and op.op is dist.isend:
-                st.sending.append((w, op.tensor))  # the buffer lives until the send is done
-            else:
+        if len(works) == len(ops):  # one handle per op: each completes on its own
+            self.sends = "deferred"
+            for w, op in zip(works, ops):
+                if op.op is dist.isend:
+                    st.sending.append((w, op.tensor))  # the buffer lives until the send is done
+                else:
+                    w.wait()
+        else:  # one handle for the batch (NCCL's coalesced group)
+            self.sends = "blocking"
+            for w in works:
                 w.wait()
         for into, key, got, dtypes in arrivals:
             into[key] = tuple(t.to(d) for t, d in zip(got, dtypes))

@@ -33,6 +33,10 @@ class Op(str, enum.Enum):
     def is_comm(self) -> bool:
         return self not in (Op.FWD, Op.BWD)
 
+    @property
+    def is_send(self) -> bool:
+        return self in (Op.SEND_F, Op.SEND_B)
+
 
 @dataclass(frozen=True)
 class Action:

@@ -141,7 +141,7 @@ def _check_messages(schedule: Schedule, n_stages: int) -> dict:
             for a in step:
                 if not a.op.is_comm:
                     continue
-                is_send, other = a.op in (Op.SEND_F, Op.SEND_B), peer_rank(r, a, n_stages)
+                is_send, other = a.op.is_send, peer_rank(r, a, n_stages)
                 msg = _message(r, a, n_stages)
                 (sends[r, other] if is_send else recvs[other, r]).append((msg, a))
                 where[is_send, msg] = (r, i, a)
@@ -206,9 +206,6 @@ def _run(schedule: Schedule, n_stages: int, where: dict, duration: CostFn,
     def partner(r: int, a: Action) -> tuple[int, int, Action]:
         return where[a.op in (Op.RECV_F, Op.RECV_B), _message(r, a, n_stages)]
 
-    def is_send(a: Action) -> bool:
-        return a.op in (Op.SEND_F, Op.SEND_B)
-
     moved = True
     while moved:
         moved = False
@@ -222,21 +219,21 @@ def _run(schedule: Schedule, n_stages: int, where: dict, duration: CostFn,
                     if (r, pos[r]) not in posted:
                         posted[r, pos[r]] = t
                         moved = True
-                    waited = [a for a in step if not (deferred and is_send(a))]
+                    waited = [a for a in step if not (deferred and a.op.is_send)]
                     peers = [partner(r, a)[:2] for a in waited]
                     if any(p not in posted for p in peers):
                         break
                     end = max([t] + [posted[p] for p in peers]) + max(
                         (comm_time(r, a) for a in waited), default=0.0)
                     events.extend(Event(r, a, t, end) for a in waited)
-                    in_background += [(r, a, t) for a in step if deferred and is_send(a)]
+                    in_background += [(r, a, t) for a in step if deferred and a.op.is_send]
                 clock[r], pos[r], moved = end, pos[r] + 1, True
     blocked = []
     for r in range(n_stages):
         if pos[r] < len(plan[r]):
             step = plan[r][pos[r]]
             waits = [f"rank {pr} to reach {b}" for pr, i, b in
-                     (partner(r, a) for a in step if not (deferred and is_send(a)))
+                     (partner(r, a) for a in step if not (deferred and a.op.is_send))
                      if (pr, i) not in posted]
             blocked.append(f"rank {r} blocked in batch [{', '.join(map(str, step))}] "
                            f"waiting for {', '.join(waits)}")
