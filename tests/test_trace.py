@@ -130,3 +130,61 @@ def test_bubble_of_simulated_1f1b_is_the_theory():
     assert got["bubble"] == pytest.approx(sim.bubble_fraction, abs=1e-12)
     # the first stage waits (p-1) forward+backward slots in total, the last one too
     assert got["per_rank"][0] == pytest.approx(got["per_rank"][p - 1], abs=1e-12)
+
+
+def _traced(sim, schedule, p, rank_offset=0, t_offset=0.0):
+    """Tracer events of a simulated run, as the runtime's hook reports them: a comm batch's
+    actions share (posted, done waiting), where a batch of deferred sends alone waits for
+    nothing."""
+    from hybridpar.engine.trace import Tracer
+    from hybridpar.parallel.pipeline.schedules import steps
+
+    when = {(e.rank, e.action): (e.start, e.end) for e in sim.events}
+    tracers = [Tracer(rank_offset + r) for r in range(p)]
+    for r in range(p):
+        for batch in steps(schedule[r]):
+            start = when[r, batch[0]][0]
+            end = max((when[r, a][1] for a in batch if not a.op.is_send), default=start)
+            for a in batch:
+                tracers[r].on_action(a, start + t_offset, end + t_offset)
+    return [e for t in tracers for e in t.events]
+
+
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("gpipe", 1), ("interleaved", 2)])
+def test_replay_reproduces_a_run_with_uneven_times_and_message_costs(schedule, v):
+    """A run whose every action takes its own time and whose every message costs its own
+    transfer (the simulator with random costs stands in for the machine), traced as the runtime
+    reports it: the replay must recover each message's cost from the post times alone and give
+    the run's bubble exactly (with messages taken as free it does not: checked by hand). Two
+    replicas out of step with each other are two pipelines, each measured in its own window."""
+    import random
+
+    from hybridpar.engine.trace import pipeline_bubble, replay
+    from hybridpar.parallel.pipeline.schedules import build
+    from hybridpar.parallel.pipeline.simulate import simulate
+
+    p, m = 4, 8
+    sched = build(schedule, p, m, v)
+    events, bubbles = [], []
+    for k in range(2):
+        rng = random.Random(k)
+        cost = {}
+
+        def duration(r, a):
+            return cost.setdefault((r, a), rng.uniform(0.5, 1.5) * (2.0 if a.op.name == "BWD" else 1.0))
+
+        def comm(r, a):  # one cost per message, the same at both ends
+            from hybridpar.parallel.pipeline.simulate import message
+            return cost.setdefault(message(r, a, p), rng.uniform(0.05, 0.4))
+
+        sim = simulate(sched, p, v, duration=duration, comm_time=comm)
+        bubbles.append(sim.bubble_fraction)
+        events += _traced(sim, sched, p, rank_offset=k * p, t_offset=3.7 * k)
+    stage_of = {r: r % p for r in range(2 * p)}
+    pipelines = [list(range(p)), list(range(p, 2 * p))]
+    assert pipeline_bubble(events, 0, pipelines)["bubble"] == pytest.approx(sum(bubbles) / 2, abs=1e-9)
+    got = replay(events, stage_of=stage_of, pipelines=pipelines, schedule=schedule, pp=p,
+                 microbatches=m, virtual_stages=v)
+    for (measured, replayed), want in zip(got["pairs"], bubbles):
+        assert measured == pytest.approx(want, abs=1e-9)
+        assert replayed == pytest.approx(want, abs=1e-9)

@@ -11,21 +11,29 @@ Clocks: ``time.perf_counter`` of each process, shifted so that 0 is the end of a
 install time (exact on one machine, where the clock is shared; within the barrier's skew across
 machines).
 
-Bubble: for one step, the window runs from the first pipeline action of any rank to the last one;
-``bubble = 1 - sum of forward/backward time over ranks / (ranks * window)``, the simulator's
-definition (``pipeline.simulate.SimResult.bubble_fraction``). Equal stages and free
-communication give ``(p-1)/(m+p-1)`` for GPipe and 1F1B alike.
+Bubble: for one step and one pipeline (the ranks of one dp x cp replica), the window runs from
+its first pipeline action to its last; ``bubble = 1 - sum of forward/backward time over its
+ranks / (ranks * window)``, the simulator's definition (``pipeline.simulate.SimResult.
+bubble_fraction``), averaged over the replicas (two replicas out of step with each other are not
+a bubble). Equal stages and free communication give ``(p-1)/(m+p-1)`` for GPipe and 1F1B alike.
+
+Replay: the simulator run on the step's own measured durations, every forward and backward and
+every message (the end of its batch minus the later of the batch's post and the partner's post,
+both read on the shared clock). What the replay does not reproduce is what the simulator does
+not model; on a shared machine the per-action times vary by tens of percent with what the other
+ranks run, so a replay with mean stage times is also given, and it differs by that noise.
 """
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
 from ..parallel.mesh import Layout
-from ..parallel.pipeline.schedules import Op
+from ..parallel.pipeline.schedules import Action, Op
 
 MAIN, ASYNC = 0, 1  # lanes (Chrome "threads") of a rank
 COLORS = {"forward": "#4C72B0", "backward": "#55A868", "p2p": "#B0B0B0", "dp_wait": "#C44E52",
@@ -166,9 +174,11 @@ class Tracer:
 
 
 # -- analysis ------------------------------------------------------------------------------
-def bubble(events: list[Event], step: int) -> dict:
-    """Measured bubble of one step over the ranks that ran pipeline actions."""
-    pipe = [e for e in events if e.step == step and e.cat in ("forward", "backward", "p2p")]
+def bubble(events: list[Event], step: int, ranks=None) -> dict:
+    """Measured bubble of one step over ``ranks`` (default: every rank that ran pipeline
+    actions), in one window from their first pipeline action to their last."""
+    pipe = [e for e in events if e.step == step and e.cat in ("forward", "backward", "p2p")
+            and (ranks is None or e.rank in ranks)]
     if not pipe:
         return {}
     ranks = sorted({e.rank for e in pipe})
@@ -206,6 +216,90 @@ def simulated(events: list[Event], *, stage_of: dict[int, int], schedule: str, p
 
     sched = build(schedule, pp, microbatches, virtual_stages)
     return simulate(sched, pp, virtual_stages, duration=duration, sends=sends).bubble_fraction
+
+
+_ACTION = re.compile(r"^(SEND_F|RECV_F|SEND_B|RECV_B|F|B)(\d+)(?:c(\d+))?$")
+
+
+def parse_action(text: str) -> Action:
+    """The inverse of ``str(Action)``: ``F3``, ``RECV_B2c1``."""
+    m = _ACTION.match(text)
+    if m is None:
+        raise ValueError(f"not an action: {text!r}")
+    return Action(Op(m[1]), int(m[2]), int(m[3] or 0))
+
+
+def replay(events: list[Event], *, stage_of: dict[int, int], pipelines: list[list[int]],
+           schedule: str, pp: int, microbatches: int, virtual_stages: int = 1,
+           sends: str = "deferred") -> dict:
+    """Each warm step of each pipeline replayed in the simulator with that step's measured
+    times: every forward and backward as it ran (mean over a stage's tp ranks), and every
+    message's transfer as it ran: ``end of the batch - max(batch posted, partner's batch
+    posted)``, for the ops the rank waited on (under ``sends``). Returns the mean measured and
+    replayed bubble over (step, pipeline) and the pairs."""
+    from ..parallel.pipeline.schedules import build
+    from ..parallel.pipeline.simulate import message, simulate
+
+    deferred = sends == "deferred"
+    sched = build(schedule, pp, microbatches, virtual_stages)
+    warm = steps_of(events)[1:] or steps_of(events)
+    pairs = []
+    for step in warm:
+        for ranks in pipelines:
+            evs = [e for e in events if e.step == step and e.rank in ranks
+                   and e.cat in ("forward", "backward", "p2p")]
+            compute: dict = {}  # (stage, action) -> [seconds]
+            batches = []  # (stage, t0, t1, actions)
+            posted: dict = {}  # (is_send, message) -> [t0 of the batch holding it]
+            for e in evs:
+                st = stage_of[e.rank]
+                if e.cat == "p2p":
+                    acts = [parse_action(a) for a in e.args["actions"]]
+                    batches.append((st, e.t0, e.t1, acts))
+                    for a in acts:
+                        posted.setdefault((a.op.is_send, message(st, a, pp)), []).append(e.t0)
+                else:
+                    compute.setdefault((st, parse_action(e.name)), []).append(e.t1 - e.t0)
+            comm: dict = {}  # (stage, action) or message -> [seconds]
+            for st, t0, t1, acts in batches:
+                waited = [a for a in acts if not (deferred and a.op.is_send)]
+                partners = [max(posted.get((not a.op.is_send, message(st, a, pp)), [t0]))
+                            for a in waited]
+                took = max(0.0, t1 - max([t0] + partners))
+                for a in waited:
+                    comm.setdefault((st, a), []).append(took)
+                    if not a.op.is_send:
+                        comm.setdefault(message(st, a, pp), []).append(took)
+
+            def mean(xs):
+                return sum(xs) / len(xs)
+
+            def duration(st, a):
+                return mean(compute[st, a])
+
+            def comm_time(st, a):
+                return mean(comm.get((st, a)) or comm.get(message(st, a, pp)) or [0.0])
+
+            if any((st, a) not in compute for st in range(pp) for a in sched[st]
+                   if not a.op.is_comm):
+                continue  # an action is missing from the trace: nothing to replay
+            sim = simulate(sched, pp, virtual_stages, duration=duration, comm_time=comm_time,
+                           sends=sends)
+            pairs.append((bubble(events, step, ranks)["bubble"], sim.bubble_fraction))
+    if not pairs:
+        return {}
+    return {"measured": sum(m for m, _ in pairs) / len(pairs),
+            "replayed": sum(r for _, r in pairs) / len(pairs), "pairs": pairs}
+
+
+def pipeline_bubble(events: list[Event], step: int, pipelines: list[list[int]] | None) -> dict:
+    """The step's bubble: the mean over pipelines (each in its own window) of ``bubble``."""
+    each = [b for b in (bubble(events, step, ranks) for ranks in (pipelines or [None])) if b]
+    if not each:
+        return {}
+    per_rank = {r: x for b in each for r, x in b["per_rank"].items()}
+    return {"step": step, "window_s": max(b["window_s"] for b in each),
+            "bubble": sum(b["bubble"] for b in each) / len(each), "per_rank": per_rank}
 
 
 def steps_of(events: list[Event]) -> list[int]:
@@ -262,11 +356,12 @@ def timeline_png(events: list[Event], path: str, *, step: int, title: str = "") 
 
 def write(events: list[Event], json_path: str, *, pp: int, microbatches: int, schedule: str,
           virtual_stages: int = 1, stage_of: dict[int, int] | None = None,
-          sends: str = "deferred") -> dict:
+          pipelines: list[list[int]] | None = None, sends: str = "deferred") -> dict:
     """Write the Chrome trace and the PNG timeline (``<json_path minus .json>.png``) and return
-    the bubble summary (the last step is drawn: the first one includes warm-up)."""
+    the bubble summary (the last step is drawn: the first one includes warm-up). ``pipelines``
+    lists the ranks of each replica (default: all ranks form one)."""
     steps = steps_of(events)
-    per_step = [bubble(events, s) for s in steps]
+    per_step = [pipeline_bubble(events, s, pipelines) for s in steps]
     th = theory(pp, microbatches, virtual_stages)
     measured = [b["bubble"] for b in per_step[1:] or per_step]
     summary = {"theory": th, "measured_mean": sum(measured) / len(measured),
@@ -276,6 +371,11 @@ def write(events: list[Event], json_path: str, *, pp: int, microbatches: int, sc
         summary["simulated_measured_durations"] = simulated(
             events, stage_of=stage_of, schedule=schedule, pp=pp, microbatches=microbatches,
             virtual_stages=virtual_stages, sends=sends)
+        rep = replay(events, stage_of=stage_of, pipelines=pipelines or [sorted(stage_of)],
+                     schedule=schedule, pp=pp, microbatches=microbatches,
+                     virtual_stages=virtual_stages, sends=sends)
+        if rep:
+            summary["replayed"] = rep["replayed"]
     with open(json_path, "w") as fh:
         json.dump(chrome_trace(with_idle(events), meta={"bubble": summary, "schedule": schedule, "pp": pp,
                                              "microbatches": microbatches}), fh)
@@ -313,14 +413,21 @@ def finish(tracer: Tracer, cfg, *, log=None) -> dict | None:
     p = cfg.parallel
     layout = Layout.of(p)
     stage_of = {r: layout.coords(r)["pp"] for r in range(layout.world_size)}
+    replica: dict = {}
+    for r in range(layout.world_size):
+        c = layout.coords(r)
+        replica.setdefault((c["dp"], c["cp"]), []).append(r)
     summary = write(events, cfg.train.trace, pp=p.pp, microbatches=p.microbatches,
                     schedule=p.schedule, virtual_stages=p.virtual_stages, stage_of=stage_of,
-                    sends=tracer.sends or "deferred")
+                    pipelines=list(replica.values()), sends=tracer.sends or "deferred")
     line = (f"trace: {cfg.train.trace} and {summary['png']}; pipeline bubble measured "
             f"{summary['measured_mean']:.3f} (mean over steps after the first; last step "
             f"{summary['measured_last']:.3f}) vs theory (p-1)/(v*m+p-1) = {summary['theory']:.3f}")
+    if "replayed" in summary:
+        line += (f"; the simulator replaying each step's measured F/B and message times "
+                 f"{summary['replayed']:.3f}")
     if "simulated_measured_durations" in summary:
-        line += (f"; simulated with this run's mean F/B time per stage and free communication "
+        line += (f"; with the mean F/B time per stage and free communication "
                  f"{summary['simulated_measured_durations']:.3f}")
     (log.info if log is not None else print)(line)
     return summary

@@ -28,7 +28,7 @@ from typing import Callable, NamedTuple
 
 from hybridpar.parallel.pipeline.schedules import Action, Op, Schedule, in_flight, peer_rank, steps
 
-__all__ = ["ScheduleError", "Event", "SimResult", "simulate", "check", "default_duration"]
+__all__ = ["ScheduleError", "Event", "SimResult", "simulate", "check", "default_duration", "message"]
 
 CostFn = Callable[[int, Action], float]
 SENDS = ("deferred", "blocking")
@@ -74,7 +74,8 @@ def _no_comm_time(rank: int, action: Action) -> float:
 Message = tuple[str, int, int]
 
 
-def _message(rank: int, a: Action, n_stages: int) -> Message:
+def message(rank: int, a: Action, n_stages: int) -> Message:
+    """The message a communication action sends or receives: both ends name the same one."""
     v = a.chunk * n_stages + rank
     return {Op.SEND_F: ("F", a.mb, v), Op.RECV_F: ("F", a.mb, v - 1),
             Op.SEND_B: ("B", a.mb, v), Op.RECV_B: ("B", a.mb, v + 1)}[a.op]
@@ -142,7 +143,7 @@ def _check_messages(schedule: Schedule, n_stages: int) -> dict:
                 if not a.op.is_comm:
                     continue
                 is_send, other = a.op.is_send, peer_rank(r, a, n_stages)
-                msg = _message(r, a, n_stages)
+                msg = message(r, a, n_stages)
                 (sends[r, other] if is_send else recvs[other, r]).append((msg, a))
                 where[is_send, msg] = (r, i, a)
     for src, dst in sorted(set(sends) | set(recvs)):
@@ -204,7 +205,7 @@ def _run(schedule: Schedule, n_stages: int, where: dict, duration: CostFn,
     in_background: list[tuple[int, Action, float]] = []  # deferred sends: (rank, action, posted)
 
     def partner(r: int, a: Action) -> tuple[int, int, Action]:
-        return where[a.op in (Op.RECV_F, Op.RECV_B), _message(r, a, n_stages)]
+        return where[a.op in (Op.RECV_F, Op.RECV_B), message(r, a, n_stages)]
 
     moved = True
     while moved:
