@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from .fused import fused_linear
 
 
 class RMSNorm(nn.Module):
@@ -78,7 +79,11 @@ _SDPA_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
 class Attention(nn.Module):
     """Grouped-query causal attention. Head counts are read from the weight shapes (``view(-1)``),
-    so the same code runs on a tensor-parallel shard holding n_heads/tp and n_kv_heads/tp heads."""
+    so the same code runs on a tensor-parallel shard holding n_heads/tp and n_kv_heads/tp heads.
+    q, k and v are one GEMM (``fused_linear``) unless ``fused`` is set False (DTensor's tp plans,
+    which hook each Linear's own call)."""
+
+    fused = True
 
     def __init__(self, cfg: ModelConfig, rotary: Rotary):
         super().__init__()
@@ -102,16 +107,21 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.wq(x).view(B, T, -1, self.head_dim)
-        k = self.wk(x).view(B, T, -1, self.head_dim)
-        v = self.wv(x).view(B, T, -1, self.head_dim)
+        if self.fused:  # v alone is kept for backward: its own copy frees the fused output
+            q, k, v = fused_linear(x, (self.wq, self.wk, self.wv))
+            v = v.contiguous()
+        else:
+            q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        q, k, v = (t.reshape(B, T, -1, self.head_dim) for t in (q, k, v))
         cos, sin = self.rotary(T, x.device)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return self.wo(self.core(q, k, v).reshape(B, T, -1))
 
 
 class MLP(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+    """SwiGLU: w2(silu(w1 x) * w3 x); w1 and w3 are one GEMM unless ``fused`` is False."""
+
+    fused = True
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -120,7 +130,8 @@ class MLP(nn.Module):
         self.w2 = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        a, b = fused_linear(x, (self.w1, self.w3)) if self.fused else (self.w1(x), self.w3(x))
+        return self.w2(F.silu(a) * b)
 
 
 class Block(nn.Module):

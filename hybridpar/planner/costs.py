@@ -80,16 +80,15 @@ class Plan:
 # ---- FLOPs ----------------------------------------------------------------------------------
 
 def matmuls(m: ModelConfig, tokens: int, tp: int) -> list[tuple[str, float, float]]:
-    """(name, forward FLOPs, FLOPs as timed) of the matmuls of one block on one tp rank;
+    """(name, forward FLOPs, FLOPs as timed) of the GEMMs of one block on one tp rank (q/k/v
+    and w1/w3 are one GEMM each: ``fused_linear``);
     ``tokens`` are this rank's queries, each attending to a whole sequence of s keys (under
     cp the local share of every sequence: the zigzag split gives each rank half its keys
     unmasked, as without cp)."""
     d, e, f, s = m.d_model, m.head_dim, m.d_ff, m.seq_len
     h, g = m.n_heads // tp, m.n_kv_heads // tp
-    out = [("wq", 2 * tokens * d * h * e), ("wk", 2 * tokens * d * g * e),
-           ("wv", 2 * tokens * d * g * e), ("wo", 2 * tokens * h * e * d),
-           ("w1", 2 * tokens * d * f / tp), ("w3", 2 * tokens * d * f / tp),
-           ("w2", 2 * tokens * f / tp * d)]
+    out = [("wq|wk|wv", 2 * tokens * d * (h + 2 * g) * e), ("wo", 2 * tokens * h * e * d),
+           ("w1|w3", 2 * tokens * d * 2 * f / tp), ("w2", 2 * tokens * f / tp * d)]  # fused
     core = 4.0 * tokens * s * h * e
     return [(n, x, x) for n, x in out] + [("attention", core, core / 2)]
 

@@ -53,13 +53,14 @@ class Prediction:
 def elementwise_bytes(m: ModelConfig, n: int, tp: int, sp: bool, a: int) -> float:
     """Memory traffic of the non-matmul work of one block's forward on n tokens: RMSNorms in
     fp32 (~24 passes of n*d), RoPE, kv-head repeats and the attention kernel's own traffic
-    (~14 passes per query head, 10 per kv head), SwiGLU (~8 passes of n*f), tp output clones.
-    Only the proportions matter: ``calibrate`` fits the bandwidth that turns these bytes into
+    (~14 passes per query head, 10 per kv head), SwiGLU (~8 passes of n*f), tp output clones,
+    and ``fused_linear``'s concatenated q/k/v and w1/w3 weights (read and written once, whatever
+    n: it weighs on small micro-batches). Only the proportions matter: ``calibrate`` fits the bandwidth that turns these bytes into
     the measured time of a real block, so they act as a per-shape weighting."""
     d, e, f = m.d_model, m.head_dim, m.d_ff // tp
     h, g = m.n_heads // tp, m.n_kv_heads // tp
     return (4 * n * d * 24 / (tp if sp else 1) + a * (n * e * (14 * h + 10 * g) + 8 * n * f)
-            + (4 * a * n * d if tp > 1 else 0))
+            + (4 * a * n * d if tp > 1 else 0) + 2 * a * d * ((h + 2 * g) * e + 2 * f))
 
 
 def _threads(c: Cluster, plan: Plan) -> int:

@@ -44,6 +44,9 @@ def build_model(cfg: Config, pp_rank: int, pp: int) -> Transformer:
     if cfg.model.tie_embeddings:
         raise ValueError("the native benchmark does not tie embeddings; use --model.tie_embeddings=false")
     model, spec = Transformer(cfg.model), spec_for(cfg.model)
+    for m in model.modules():  # DTensor's tp plans hook each Linear's own call: unfused
+        if hasattr(m, "fused"):
+            m.fused = False
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(init_full(spec, name, tuple(p.shape), cfg.train.seed))

@@ -1,0 +1,61 @@
+"""Several Linears of one input as one GEMM, the parameters kept apart.
+
+``Y = X [W_1; ...; W_k]^T (+ [b_1; ...; b_k])``, split back into the k outputs. One larger GEMM
+instead of k smaller ones (Megatron's fused q/k/v and w1/w3), in forward and in both backward
+products. The parameters stay separate Linears, so their names, checkpoints, Hugging Face
+interop and tensor-parallel shards are those of the unfused model: under tp each rank
+concatenates its own column shards, which is the fused weight's strided shard.
+
+The concatenated weight is not saved for backward: it is rebuilt there, a weight-sized copy for
+the length of one GEMM, so a pipeline stage with many micro-batches in flight keeps no copy per
+micro-batch (the engine's bf16 working weights are already cast; other fp32 weights under
+autocast are cast and kept as F.linear keeps them). Under autocast the input is cast once (the
+unfused Linears each keep their own cast of it) and the GEMMs run in the autocast dtype, as
+F.linear's would; gradients return to each parameter's dtype.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class _FusedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, n, *params):
+        weights, biases = params[:n], params[n:]
+        dev, dtype = x.device.type, x.dtype
+        if (x.is_floating_point() and torch.amp.is_autocast_available(dev)
+                and torch.is_autocast_enabled(dev)):
+            dtype = torch.get_autocast_dtype(dev)
+        xc, wc = x.to(dtype), [w.to(dtype) for w in weights]  # no copy when already in dtype
+        b = torch.cat([b.to(dtype) for b in biases]) if biases else None
+        y = F.linear(xc, torch.cat(wc), b)  # operands in the autocast dtype: autocast leaves them
+        ctx.n, ctx.has_bias = n, bool(biases)
+        ctx.save_for_backward(xc, *wc)  # what F.linear under autocast would keep
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        xc, *weights = ctx.saved_tensors
+        dy = dy.to(xc.dtype)
+        sizes = [w.shape[0] for w in weights]
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = dy @ torch.cat(weights)
+        if any(ctx.needs_input_grad[2:2 + ctx.n]):
+            dw = (dy.reshape(-1, dy.shape[-1]).t() @ xc.reshape(-1, xc.shape[-1])).split(sizes)
+        if ctx.has_bias:
+            db = dy.reshape(-1, dy.shape[-1]).sum(0).split(sizes)
+        return dx, None, *(dw or [None] * ctx.n), *(db or [None] * ctx.n * ctx.has_bias)
+
+
+def fused_linear(x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, ...]:
+    """``tuple(lin(x) for lin in linears)`` computed as one GEMM (module docstring). The
+    Linears must all have a bias or none."""
+    has_bias = [lin.bias is not None for lin in linears]
+    if any(has_bias) and not all(has_bias):
+        raise ValueError("fused_linear: either every Linear has a bias or none does")
+    params = [lin.weight for lin in linears] + ([lin.bias for lin in linears] if all(has_bias) else [])
+    y = _FusedLinear.apply(x, len(linears), *params)
+    return y.split([lin.weight.shape[0] for lin in linears], dim=-1)

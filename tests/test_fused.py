@@ -1,0 +1,91 @@
+"""``fused_linear``: several Linears of one input as one GEMM, with the unfused Linears' values
+and gradients, and without keeping the concatenated weight for backward."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from hybridpar.models.fused import fused_linear
+
+
+def _linears(bias: bool, dtype=torch.float64):
+    torch.manual_seed(0)
+    return tuple(nn.Linear(12, n, bias=bias, dtype=dtype) for n in (8, 4, 4))
+
+
+def _run(linears, x, fused: bool):
+    for lin in linears:
+        lin.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_(True)
+    ys = fused_linear(x, linears) if fused else tuple(lin(x) for lin in linears)
+    sum((y * torch.arange(y.numel(), dtype=y.dtype).view_as(y).sin()).sum() for y in ys).backward()
+    return ys, x.grad, [p.grad for lin in linears for p in lin.parameters()]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_equals_the_separate_linears(bias):
+    """Float64: the same values and gradients as k separate Linears, to rounding."""
+    linears = _linears(bias)
+    x = torch.randn(3, 5, 12, dtype=torch.float64)
+    ys, dx, grads = _run(linears, x, True)
+    ys0, dx0, grads0 = _run(linears, x, False)
+    for a, b in zip((*ys, dx, *grads), (*ys0, dx0, *grads0)):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_frozen_weights_get_no_gradient():
+    linears = _linears(False)
+    linears[1].weight.requires_grad_(False)
+    _, dx, _ = _run(linears, torch.randn(2, 12, dtype=torch.float64), True)
+    assert dx is not None and linears[1].weight.grad is None and linears[0].weight.grad is not None
+
+
+def test_mixed_biases_are_refused():
+    a, b = nn.Linear(4, 2), nn.Linear(4, 2, bias=False)
+    with pytest.raises(ValueError, match="every Linear has a bias or none"):
+        fused_linear(torch.randn(1, 4), (a, b))
+
+
+def _saved(fn):
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        fn()
+    return saved
+
+
+def test_no_weight_copy_is_kept_and_the_input_cast_once():
+    """fp32: the saved tensors are the input and the parameters themselves (no concatenated
+    weight of 16 rows). bf16 autocast: one bf16 cast of the input is saved, where the three
+    unfused Linears keep one each; outputs are bf16 and gradients return in fp32."""
+    linears = _linears(False, torch.float32)
+    x = torch.randn(6, 12, requires_grad=True)
+    saved = _saved(lambda: fused_linear(x, linears))
+    params = {p.data_ptr() for lin in linears for p in lin.parameters()}
+    assert all(t.data_ptr() in params or t is x for t in saved)
+    assert not any(t.shape[0] == 16 for t in saved)
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fused = _saved(lambda: fused_linear(x, linears))
+        separate = _saved(lambda: [lin(x) for lin in linears])
+    casts = lambda ts: [t for t in ts if t.shape == x.shape and t.dtype == torch.bfloat16]  # noqa: E731
+    assert len(casts(fused)) == 1 and len(casts(separate)) == 3
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ys, dx, grads = _run(linears, x, True)
+        ys0, dx0, grads0 = _run(linears, x, False)
+    assert all(y.dtype == torch.bfloat16 for y in ys) and dx.dtype == torch.float32
+    assert all(g.dtype == torch.float32 for g in grads)
+    for a, b in zip(grads, grads0):  # the same bf16 GEMM per weight: the same rounding
+        torch.testing.assert_close(a, b)
+    # dx: the unfused sum adds three bf16-rounded partial products (half an ulp, 2^-9, each),
+    # the fused GEMM rounds the sum once; partial products are of the order of max |dx|
+    assert (dx - dx0).abs().max() <= 4 * 2 ** -9 * dx0.abs().max()
+
+
+def test_meta_device():
+    """The planner counts units on the meta device: shapes only, no data."""
+    with torch.device("meta"):
+        linears = _linears(False, torch.float32)
+        ys = fused_linear(torch.empty(2, 3, 12, requires_grad=True), linears)
+    assert [tuple(y.shape) for y in ys] == [(2, 3, 8), (2, 3, 4), (2, 3, 4)]
