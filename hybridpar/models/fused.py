@@ -43,10 +43,11 @@ class _FusedLinear(torch.autograd.Function):
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             dx = dy @ torch.cat(weights)
+        dy2 = dy.reshape(-1, dy.shape[-1])  # tokens x outputs
         if any(ctx.needs_input_grad[2:2 + ctx.n]):
-            dw = (dy.reshape(-1, dy.shape[-1]).t() @ xc.reshape(-1, xc.shape[-1])).split(sizes)
+            dw = (dy2.t() @ xc.reshape(-1, xc.shape[-1])).split(sizes)
         if ctx.has_bias:
-            db = dy.reshape(-1, dy.shape[-1]).sum(0).split(sizes)
+            db = dy2.sum(0).split(sizes)
         return dx, None, *(dw or [None] * ctx.n), *(db or [None] * ctx.n * ctx.has_bias)
 
 
