@@ -53,7 +53,7 @@ def test_axis_spans_nodes_in_rank_order():
 def _uniform(plan: Plan) -> tuple[float, float]:
     """The cost model's forward/backward seconds of a chunk of layers only."""
     layers = SMALL.n_layers // (plan.pp * plan.virtual_stages)
-    f, b, _ = timing._chunk_costs(SMALL, plan, CPU, layers=layers, embed=False, head=False, slow=1.0)
+    f, b, *_ = timing._chunk_costs(SMALL, plan, CPU, layers=layers, embed=False, head=False, slow=1.0)
     return f, b
 
 
@@ -225,3 +225,28 @@ def test_dp_overlap_needs_an_idle_core():
         sync = collective_time(c, "all-reduce", 2, 4.0 * n, world=plan.world)
         _, exposed = timing._post_schedule(n, plan, c, last_bwd=10.0, slow=1.0)
         assert (exposed < 0.5 * sync) if hidden else exposed == pytest.approx(sync), (c.name, exposed, sync)
+
+
+def test_a_cpu_pipeline_shares_the_cores_between_its_stages():
+    """On one core (two ranks at half speed each) the pipeline's compute is conserved: the
+    schedule takes at least the stages' total work alone, and at most that plus the messages on
+    the critical path (the core idles only while a message is in flight). A stage's slow-down
+    follows how many stages compute beside it, not one average for the run."""
+    from hybridpar.planner.costs import Plan, collective_time
+
+    c = replace(PRESETS["cpu"], nodes=1, devices_per_node=2, cores=1,
+                oversubscription={1: 1.0, 2: 2.0})
+    assert timing._rates(c, Plan(1, 1, 2, 4, 2)) == pytest.approx((1.0, 1.0, 0.5))
+    assert timing._rates(c, Plan(2, 1, 2, 4, 2)) == pytest.approx((0.5, 0.5, 0.25))
+    for split_layers, M in ((8, 4), (8, 8)):
+        m = replace(SMALL, n_layers=split_layers)
+        plan = Plan(1, 1, 2, M, 2)
+        pred = timing.predict_time(m, plan, c)
+        chunks = timing.costing(m, plan, c).chunks(1.0, 2.0)
+        work = M * sum(f + b for f, b, *_ in chunks)
+        tc = collective_time(c, "send/recv", 2, timing.costing(m, plan, c).message(), world=2.0)
+        assert work * (1 - 1e-9) <= pred.makespan <= work + 2 * (M + 1) * (tc + c.overhead["comm"])
+    gpu = replace(PRESETS["h100-80g"], nodes=1, devices_per_node=2)  # a device per rank: no sharing
+    plan = Plan(1, 1, 2, 4, 2)
+    chunks = timing.costing(SMALL, plan, gpu).chunks(1.0, 2.0)
+    assert timing.predict_time(SMALL, plan, gpu).makespan < 4 * sum(f + b for f, b, *_ in chunks)

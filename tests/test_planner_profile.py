@@ -178,7 +178,7 @@ def test_uneven_blocks_are_split_by_cost_even_ones_by_count():
     # the chosen split's slowest stage is no slower than the even split's, by the same costs
     model = sm.SpecModel(resnet)
     plan = Plan(1, 1, 2, 1, 8)
-    times = {k: f + b for k, (f, b, _) in sm.unit_times(model, plan, c, tp=1).items()}
+    times = {k: f + b for k, (f, b, *_) in sm.unit_times(model, plan, c, tp=1).items()}
     spec = model.spec
 
     def slowest(s):
@@ -323,9 +323,9 @@ def test_measured_unit_times_replace_the_modelled_compute(monkeypatch):
     modelled = sm.unit_times(sm.SpecModel(m), plan, c, threads=1, slow=1.5)
     assert calls == [(3, 2, 1, "selective")]
     for i, u in enumerate(model.spec.units):
-        f, b, comm = times[u]
-        assert comm == modelled[u][2]  # the tp collectives, modelled either way
-        assert f + b - comm == pytest.approx(1.5 * 3e-3 * (i + 1))
+        f, b, comm_f, comm_b = times[u]
+        assert (comm_f, comm_b) == modelled[u][2:]  # the tp collectives, modelled either way
+        assert f + b - comm_f - comm_b == pytest.approx(1.5 * 3e-3 * (i + 1))
     sm.unit_times(model, plan, c, threads=1, slow=1.0)
     assert len(calls) == 1  # measured once per (tp, micro-batch, threads, recompute, ...)
 

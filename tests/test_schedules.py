@@ -239,6 +239,49 @@ def test_deferred_sends_let_a_stage_go_on():
         simulate([r0, r1], 2, backward=False, sends="eager")
 
 
+@pytest.mark.parametrize("name,p,m,v", [("gpipe", 3, 4, 1), ("1f1b", 4, 6, 1), ("1f1b", 2, 1, 1),
+                                         ("interleaved", 2, 4, 2)])
+def test_ranks_sharing_cores_share_the_work(name, p, m, v):
+    """Processor sharing: with one core (each of n computing ranks at speed 1/n) and free
+    messages some rank always computes, so the run takes exactly the total work; with a core
+    per rank it is the run on separate devices."""
+    sched = build(name, p, m, v)
+
+    def dur(rank, a):
+        return (1.0 + 0.5 * rank + 0.25 * a.chunk) * (2.0 if a.op is B else 1.0)
+
+    total = sum(dur(r, a) for r, acts in enumerate(sched) for a in acts if not a.op.is_comm)
+    one_core = simulate(sched, p, v, duration=dur, share=lambda n: 1.0 / n)
+    assert one_core.makespan == pytest.approx(total)
+    _check_dataflow(one_core, p, v)
+    own = simulate(sched, p, v, duration=dur)
+    enough = simulate(sched, p, v, duration=dur, share=lambda n: min(1.0, p / n))
+    assert enough.makespan == pytest.approx(own.makespan)
+    times = sorted((e.rank, str(e.action), e.start, e.end) for e in enough.events)
+    assert times == sorted((e.rank, str(e.action), e.start, e.end) for e in own.events)
+
+
+def test_sharing_slows_the_actions_that_overlap_and_waits_use_no_core():
+    """1F1B, 2 stages, 2 micro-batches on one core: F0 on rank 0 runs alone [0, 1]; rank 0's
+    F1 and rank 1's F0 then share the core and both end at 3. A collective after the work
+    (``wait``) holds its rank but leaves the core to the other: with a wait of 1 after each
+    forward, F0 ends at 2, and F1 (rank 0) and F0 (rank 1) share the core from 2 to 4."""
+    sched = build("1f1b", 2, 2)
+
+    def end(res, rank, action):
+        return next(e.end for e in res.events if e.rank == rank and e.action == action)
+
+    res = simulate(sched, 2, duration=lambda r, a: 1.0, share=lambda n: 1.0 / n)
+    assert end(res, 0, A(F, 0)) == pytest.approx(1.0)
+    assert end(res, 0, A(F, 1)) == pytest.approx(3.0) and end(res, 1, A(F, 0)) == pytest.approx(3.0)
+    waits = simulate(sched, 2, duration=lambda r, a: 1.0, share=lambda n: 1.0 / n,
+                     wait=lambda r, a: 1.0 if a.op is F else 0.0)
+    assert end(waits, 0, A(F, 0)) == pytest.approx(2.0)
+    assert end(waits, 0, A(F, 1)) == pytest.approx(5.0) and end(waits, 1, A(F, 0)) == pytest.approx(5.0)
+    assert res.makespan == pytest.approx(8.0)  # the total work: the core never idles
+    assert waits.makespan == pytest.approx(11.0)  # 8 + the core idle in [1, 2], [4, 5], [8, 9]
+
+
 def test_runner_waits_for_receives_now_and_sends_at_the_end(monkeypatch):
     """The runtime's half of "deferred": in a batch of one handle per op, receives are waited on
     before the batch returns and sends only when the step's list is done; one handle for the

@@ -201,8 +201,8 @@ def pass_time(u: UnitProfile, kind: str, recompute: str, c: Cluster, b: int, *, 
 
 
 def unit_times(model: SpecModel, plan, c: Cluster, *, threads: int = 1, slow: float = 1.0,
-               busy_ranks: float = 0.0, tp: int | None = None) -> dict[str, tuple[float, float, float]]:
-    """Per unit: (forward s, backward s, tp communication s) of one micro-batch."""
+               busy_ranks: float = 0.0, tp: int | None = None) -> dict[str, tuple[float, float, float, float]]:
+    """Per unit: (forward s, backward s, of which communication in each) of one micro-batch."""
     from .costs import spans_nodes
     tp = plan.tp if tp is None else tp
     prof = model.profile(tp, plan.sequence_parallel, plan.replicas > 1)
@@ -221,7 +221,7 @@ def unit_times(model: SpecModel, plan, c: Cluster, *, threads: int = 1, slow: fl
                               measured=timed[u.name][0] if timed else None)
             bk, cb = pass_time(u, "bwd", plan.recompute, c, plan.mb_size, **kw,
                                measured=timed[u.name][1] if timed else None)
-            done[key] = (f, bk, cf + cb)
+            done[key] = (f, bk, cf, cb)
         out[u.name] = done[key]
     return out
 
@@ -266,7 +266,7 @@ def is_uneven(costs: list[float], tolerance: float = 0.05) -> bool:
 def auto_split(model: SpecModel, plan, c: Cluster) -> tuple[list[int], dict[str, float]]:
     """(blocks per stage minimising the slowest stage's forward+backward, each unit's
     seconds), costed at tp = 1 on ``c`` (a stage's tp shards divide every unit alike)."""
-    times = {k: f + b for k, (f, b, _) in unit_times(model, plan, c, tp=1).items()}
+    times = {k: f + b for k, (f, b, *_) in unit_times(model, plan, c, tp=1).items()}
     spec = model.spec
     split = balanced_split([times[u] for u in spec.blocks], plan.pp,
                            first=sum(times[u] for u in spec.stem), last=sum(times[u] for u in spec.head))

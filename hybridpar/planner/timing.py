@@ -11,11 +11,14 @@ a CPU's cores (then the reduction competes with the backward for them: none is h
 the per-step overhead. The step ends when the slowest stage is done (the runtime's step-end
 all-reduce of loss and norm synchronises every rank).
 
-On a CPU the ranks share the cores: compute is slowed by the calibrated slow-down of that many
-busy 1-thread processes, the busy ranks being the world times the non-idle share of the pipeline
-found by a first simulation. Tensor-parallel collectives count as busy: the ranks of a tp group
-(and their dp replicas) compute in lockstep between them, so when one computes all do, and only
-pipeline bubbles and p2p waits free a core for another rank. The tp collectives and p2p messages
+On a CPU the ranks share the cores. The simulator shares them moment by moment (processor
+sharing): while n of the pipeline's p stages compute, each computes at 1 / the calibrated
+slow-down of n * world / p busy 1-thread processes (a stage stands for its tp peers and dp
+replicas, which compute in lockstep with it). So a light stage runs slower while the heavy
+ones compute beside it, and a bubble or a p2p wait frees a core for another rank; a stage's tp
+collectives hold it without computing. After the schedule, and in the closed form used for
+pruning, compute is slowed by the average number of busy ranks (the world times the non-idle
+share of the pipeline from a first simulation). The tp collectives and p2p messages
 cost what was calibrated in concurrent groups of that many busy ranks (``collectives_shared``:
 a peer that is descheduled when a collective starts must be woken first); the dp sync after the
 schedule, which every rank joins, at the whole world.
@@ -69,8 +72,8 @@ def _threads(c: Cluster, plan: Plan) -> int:
 
 
 def _chunk_costs(m: ModelConfig, plan: Plan, c: Cluster, *, layers: int, embed: bool, head: bool,
-                 slow: float, busy_ranks: float = 0.0) -> tuple[float, float, float]:
-    """(forward s, backward s, tp communication s of both) of one micro-batch on one chunk;
+                 slow: float, busy_ranks: float = 0.0) -> tuple[float, float, float, float]:
+    """(forward s, backward s, of which tp communication in each) of one micro-batch on one chunk;
     ``busy_ranks``: how many ranks share the CPU's cores meanwhile (0: the group alone)."""
     t, a, w = plan.tp, c.dtype_bytes, busy_ranks
     n, d = plan.mb_size * m.seq_len // plan.cp, m.d_model
@@ -128,7 +131,7 @@ def _chunk_costs(m: ModelConfig, plan: Plan, c: Cluster, *, layers: int, embed: 
                   + collective_time(c, "all-reduce", t, 8 * n, world=w))
             fwd, bwd = fwd + ce, bwd + tp1 / 2
             comm_f, comm_b = comm_f + ce, comm_b + tp1 / 2
-    return fwd + ovh["action"] * slow, bwd + ovh["action"] * slow, comm_f + comm_b
+    return fwd + ovh["action"] * slow, bwd + ovh["action"] * slow, comm_f, comm_b
 
 
 def _post_schedule(n: int, plan: Plan, c: Cluster, last_bwd: float,
@@ -155,35 +158,51 @@ def _post_schedule(n: int, plan: Plan, c: Cluster, last_bwd: float,
     return exposed + gather + opt + scalars + c.overhead["step"], exposed + gather
 
 
+def _simulate(name: str, p: int, M: int, v: int, fwd: tuple, bwd: tuple, tc: float, sends: str,
+              rates: tuple | None = None, waits: tuple | None = None):
+    """The schedule run by the runtime's simulator with these per-virtual-stage durations and
+    message time ``tc``. Ranks sharing a CPU: ``rates[n]`` is each one's compute speed while n
+    of the p compute, ``fwd``/``bwd`` are then the times alone and ``waits`` the (forward,
+    backward) collective seconds of each virtual stage, which use no core."""
+    def wait(rank, a):
+        return waits[a.chunk * p + rank][a.op is Op.BWD]
+
+    return simulate(build(name, p, M, v), p, v,
+                    duration=lambda rank, a: (fwd if a.op is Op.FWD else bwd)[a.chunk * p + rank],
+                    comm_time=lambda rank, a: tc, sends=sends,
+                    share=(lambda n: rates[n]) if rates else None, wait=wait if waits else None)
+
+
 @lru_cache(maxsize=4096)
 def _makespan(name: str, p: int, M: int, v: int, fwd: tuple, bwd: tuple, tc: float, quick: bool,
-              sends: str = "blocking"):
-    """(makespan, per-rank end, bubble, method) of the schedule with these per-virtual-stage
-    durations and message time ``tc``; cached, as layouts differing only after the schedule
-    (ZeRO-1, say) share it."""
+              sends: str = "blocking", rates: tuple | None = None, waits: tuple | None = None):
+    """(makespan, per-rank end, bubble, method) of the schedule (``_simulate``); cached, as
+    layouts differing only after the schedule (ZeRO-1, say) share it."""
 
     def sim(mbs: int):
-        r = simulate(build(name, p, mbs, v), p, v,
-                     duration=lambda rank, a: (fwd if a.op is Op.FWD else bwd)[a.chunk * p + rank],
-                     comm_time=lambda rank, a: tc, sends=sends)
+        r = _simulate(name, p, mbs, v, fwd, bwd, tc, sends, rates, waits)
         ends = [0.0] * p
         for ev in r.events:
             ends[ev.rank] = max(ends[ev.rank], ev.end)
         return r.makespan, ends, r.bubble_fraction
 
-    work = [sum(fwd[ch * p + r] + bwd[ch * p + r] for ch in range(v)) for r in range(p)]
+    # the forms below: with shared cores, every stage busy in the steady state, at the speed of p
+    slow = 1.0 / rates[p] if rates else 1.0
+    sf, sb = tuple(x * slow for x in fwd), tuple(x * slow for x in bwd)
+    work = [sum(sf[ch * p + r] + sb[ch * p + r] for ch in range(v)) for r in range(p)]
     if quick:
-        return _closed_form(p, M, v, fwd, bwd, tc, work)
+        return _closed_form(p, M, v, sf, sb, tc, work)
     if 2 * p * v * M <= SIM_LIMIT:
         return (*sim(M), "simulate")
     cap = SIM_LIMIT // (2 * p * v)
     m2 = cap - cap % p if v > 1 else cap
     if m2 - p >= p:
-        (t1, _, _), (t2, ends, _) = sim(m2 - p), sim(m2)
+        (t1, _, _), (t2, ends, b2) = sim(m2 - p), sim(m2)
         extra = (t2 - t1) / p * (M - m2)
         total = t2 + extra
-        return total, [x + extra for x in ends], 1 - sum(work) * M / (p * total), "extrapolate"
-    return _closed_form(p, M, v, fwd, bwd, tc, work)
+        busy = (1 - b2) * p * t2 + sum(work) * (M - m2) if rates else sum(work) * M
+        return total, [x + extra for x in ends], 1 - busy / (p * total), "extrapolate"
+    return _closed_form(p, M, v, sf, sb, tc, work)
 
 
 def _closed_form(p: int, M: int, v: int, fwd: tuple, bwd: tuple, tc: float, work: list[float]):
@@ -238,7 +257,7 @@ class _Spec:
                                    slow=slow, busy_ranks=busy_ranks)
         action = self.c.overhead["action"] * slow
         return [(sum(times[u][0] for u in us) + action, sum(times[u][1] for u in us) + action,
-                 sum(times[u][2] for u in us)) for us in self.units]
+                 sum(times[u][2] for u in us), sum(times[u][3] for u in us)) for us in self.units]
 
     def stage_params(self, stage: int) -> int:
         p = self.plan
@@ -254,27 +273,68 @@ def costing(m, plan: Plan, c: Cluster):
 
 def stage_times(m, plan: Plan, c: Cluster) -> list[float]:
     """Forward + backward seconds of one micro-batch on each pipeline stage (its chunks
-    together), as the prediction uses them: the slowest sets the pipeline's pace."""
-    chunks = costing(m, plan, c).chunks(c.contention(float(plan.world)), float(plan.world))
-    return [sum(chunks[ch * plan.pp + s][0] + chunks[ch * plan.pp + s][1]
-                for ch in range(plan.virtual_stages)) for s in range(plan.pp)]
+    together), as the prediction uses them: the slowest sets the pipeline's pace. On a CPU, as
+    the simulator shares the cores: a stage's actions take longer while more stages compute
+    beside them."""
+    model, p, M = costing(m, plan, c), plan.pp, plan.microbatches
+    if not c.cores:
+        chunks = model.chunks(c.contention(float(plan.world)), float(plan.world))
+        return [sum(chunks[ch * p + s][0] + chunks[ch * p + s][1]
+                    for ch in range(plan.virtual_stages)) for s in range(p)]
+    fwd, bwd, tc, extra = _shared_inputs(model, plan, c, float(plan.world))
+    run = _simulate(plan.schedule, p, M, plan.virtual_stages, fwd, bwd, tc, c.sends, **extra)
+    return [busy / M for busy in run.busy]
+
+
+def _shared_inputs(model, plan: Plan, c: Cluster, busy_ranks: float):
+    """(alone forward and backward seconds per virtual stage, message seconds, the sharing
+    arguments of ``_simulate``) for a CPU whose cores the ranks share."""
+    costs = model.chunks(1.0, busy_ranks)
+    fwd, bwd = tuple(x[0] - x[2] for x in costs), tuple(x[1] - x[3] for x in costs)
+    return fwd, bwd, _message_time(model, plan, c, busy_ranks), dict(
+        rates=_rates(c, plan), waits=tuple((x[2], x[3]) for x in costs))
+
+
+def _message_time(model, plan: Plan, c: Cluster, busy_ranks: float) -> float:
+    """Seconds of one p2p message between stages, with ``busy_ranks`` sharing the cores."""
+    if plan.pp == 1:
+        return 0.0
+    return collective_time(c, "send/recv", 2, model.message(), inter=spans_nodes(c, plan, "pp"),
+                           world=busy_ranks) + c.overhead["comm"]
+
+
+def _rates(c: Cluster, plan: Plan) -> tuple[float, ...]:
+    """Compute speed of each rank while n of a pipeline's p stages compute (n = 0..p): each
+    stands for its tp peers and dp/cp replicas, which compute in lockstep with it, so
+    n * world / p ranks want the cores; 1 / the calibrated slow-down of that many."""
+    per = plan.world / plan.pp
+    return tuple(1.0 / c.contention(max(n, 1) * per) for n in range(plan.pp + 1))
 
 
 def predict_time(m, plan: Plan, c: Cluster, *, quick: bool = False) -> Prediction:
-    """Predicted step; ``quick`` uses the closed form instead of the simulator (for pruning)."""
+    """Predicted step; ``quick`` uses the closed form instead of the simulator (for pruning).
+
+    On a CPU (``c.cores``) the simulator shares the cores between the stages computing at each
+    moment (``_rates``): a light stage runs slower while the heavy ones compute beside it, and
+    a bubble frees a core for another rank. Otherwise each stage's compute is slowed by the
+    average number of busy ranks."""
     model, p = costing(m, plan, c), plan.pp
     busy_ranks = float(plan.world)
     slow = c.contention(busy_ranks)
+    shared = bool(c.cores) and not quick
     for _ in range(2 if c.cores else 1):  # CPU: re-estimate the busy ranks once
-        tc = (collective_time(c, "send/recv", 2, model.message(), inter=spans_nodes(c, plan, "pp"),
-                              world=busy_ranks) + c.overhead["comm"]) if p > 1 else 0.0
-        costs = model.chunks(slow, busy_ranks)
-        fwd, bwd = [x[0] for x in costs], [x[1] for x in costs]
+        if shared:  # the work alone, shared by the simulator; the collectives wait beside it
+            fwd, bwd, tc, extra = _shared_inputs(model, plan, c, busy_ranks)
+            comm = [f + b for f, b in extra["waits"]]
+        else:
+            costs = model.chunks(slow, busy_ranks)
+            fwd, bwd = tuple(x[0] for x in costs), tuple(x[1] for x in costs)
+            tc, extra = _message_time(model, plan, c, busy_ranks), {}
+            comm = [x[2] + x[3] for x in costs]
         makespan, ends, bubble, method = _makespan(plan.schedule, p, plan.microbatches,
-                                                   plan.virtual_stages, tuple(fwd), tuple(bwd), tc, quick,
-                                                   c.sends)
-        compute = sum(f + b for f, b, _ in costs) * plan.microbatches
-        busy_ranks = plan.world * (compute / (p * makespan) if makespan else 1.0)
+                                                   plan.virtual_stages, fwd, bwd, tc, quick,
+                                                   c.sends, **extra)
+        busy_ranks = plan.world * (1.0 - bubble)
         slow = c.contention(busy_ranks)
     post = []
     for s in range(p):
@@ -282,7 +342,7 @@ def predict_time(m, plan: Plan, c: Cluster, *, quick: bool = False) -> Predictio
         post.append(_post_schedule(model.stage_params(s), plan, c, last_bwd, slow))
     ends_total = [ends[s] + post[s][0] for s in range(p)]
     worst = max(range(p), key=lambda s: ends_total[s])
-    tp_comm = sum(costs[ch * p + worst][2] for ch in range(plan.virtual_stages)) * plan.microbatches
+    tp_comm = sum(comm[ch * p + worst] for ch in range(plan.virtual_stages)) * plan.microbatches
     n_msgs = 2 * plan.microbatches * plan.virtual_stages if p > 1 else 0
     return Prediction(step_time=max(ends_total), makespan=makespan, bubble=bubble,
                       comm={"tp": tp_comm, "pp": n_msgs * tc, "dp": post[worst][1]}, method=method)

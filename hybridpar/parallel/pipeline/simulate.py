@@ -13,7 +13,9 @@ two ops) + comm time``. What the rank waits for depends on the transport, named 
   its stream): the batch ends when every op in it, sends included, has completed.
 
 A list that runs under ``"blocking"`` also runs under ``"deferred"`` (deferral only removes
-waits), so ``check`` proves both. Messages between two ranks are matched in order (FIFO, no
+waits), so ``check`` proves both. Ranks that share processors (a CPU's cores, for the planner) can be
+timed with processor sharing: the compute of the n ranks computing at a moment progresses at
+``share(n)`` each, so the run is played in time order rather than by data flow alone. Messages between two ranks are matched in order (FIFO, no
 tags), per ordered pair of ranks, activations and gradients alike, as a tagless runtime would.
 
 Before timing, static checks catch malformed schedules (missing, duplicated or misordered
@@ -165,11 +167,17 @@ def _check_messages(schedule: Schedule, n_stages: int) -> dict:
 
 def simulate(schedule: Schedule, n_stages: int, n_chunks: int = 1,
              duration: CostFn | None = None, comm_time: CostFn | None = None, *,
-             backward: bool = True, sends: str = "deferred") -> SimResult:
+             backward: bool = True, sends: str = "deferred",
+             share: Callable[[int], float] | None = None, wait: CostFn | None = None) -> SimResult:
     """Validate ``schedule`` and time it; ``duration`` / ``comm_time`` map (rank, action) to
     seconds (defaults: F = 1, B = 2, messages free). ``backward=False`` checks a forward-only
     (evaluation) list; ``sends`` is ``"deferred"`` or ``"blocking"`` (module docstring). Raises
-    ``ScheduleError`` if it is invalid."""
+    ``ScheduleError`` if it is invalid.
+
+    Ranks that share processors (a CPU's cores): ``share(n)`` is the speed of each rank's
+    compute while n of the ranks compute at once (processor sharing: about min(1, cores / n));
+    an action's ``duration`` is then its time alone, and ``wait(rank, action)`` the seconds it
+    spends in its own collectives after that work, computing nothing."""
     if sends not in SENDS:
         raise ValueError(f"sends={sends!r} must be one of {SENDS}")
     if len(schedule) != n_stages:
@@ -181,7 +189,7 @@ def simulate(schedule: Schedule, n_stages: int, n_chunks: int = 1,
     _check_coverage(schedule, n_stages, n_chunks, backward)
     where = _check_messages(schedule, n_stages)
     events, clock = _run(schedule, n_stages, where, duration or default_duration,
-                         comm_time or _no_comm_time, sends == "deferred")
+                         comm_time or _no_comm_time, sends == "deferred", share, wait)
     busy = tuple(sum((e.end - e.start for e in events
                       if e.rank == r and not e.action.op.is_comm), 0.0) for r in range(n_stages))
     makespan = max(clock, default=0.0)
@@ -195,40 +203,102 @@ def simulate(schedule: Schedule, n_stages: int, n_chunks: int = 1,
 
 
 def _run(schedule: Schedule, n_stages: int, where: dict, duration: CostFn,
-         comm_time: CostFn, deferred: bool) -> tuple[list[Event], list[float]]:
-    """Advance every rank as far as it can until none can move. Times follow from data flow
-    alone (no shared resources), so the order ranks are visited in does not change them."""
+         comm_time: CostFn, deferred: bool, share: Callable[[int], float] | None = None,
+         wait: CostFn | None = None) -> tuple[list[Event], list[float]]:
+    """Event-driven run in time order. A compute action is ``duration`` seconds of work then
+    ``wait`` seconds in which the rank computes nothing (its own collectives); the work
+    progresses at ``share(n)`` seconds per second while n ranks do work at once (1 without
+    ``share``: each rank has its own device, and times follow from data flow alone)."""
     plan = [steps(acts) for acts in schedule]
     pos, clock = [0] * n_stages, [0.0] * n_stages
     posted: dict[tuple[int, int], float] = {}  # (rank, step index) -> time the batch was posted
     events: list[Event] = []
     in_background: list[tuple[int, Action, float]] = []  # deferred sends: (rank, action, posted)
+    # per rank: None (takes its next step), ("work", left, since), ("until", t) or ("blocked",)
+    state: list = [None] * n_stages
+    started = [0.0] * n_stages
+    t = 0.0
 
     def partner(r: int, a: Action) -> tuple[int, int, Action]:
         return where[a.op in (Op.RECV_F, Op.RECV_B), message(r, a, n_stages)]
 
-    moved = True
-    while moved:
-        moved = False
-        for r in range(n_stages):
-            while pos[r] < len(plan[r]):
-                step, t = plan[r][pos[r]], clock[r]
-                if not step[0].op.is_comm:
-                    end = t + duration(r, step[0])
-                    events.append(Event(r, step[0], t, end))
-                else:
+    def finish(r: int, end: float) -> None:
+        step = plan[r][pos[r]]
+        if step[0].op.is_comm:
+            events.extend(Event(r, a, started[r], end) for a in step
+                          if not (deferred and a.op.is_send))
+        else:
+            events.append(Event(r, step[0], started[r], end))
+        clock[r], pos[r], state[r] = end, pos[r] + 1, None
+
+    def settle() -> None:
+        """Take every step that needs no time to pass."""
+        moved = True
+        while moved:
+            moved = False
+            for r in range(n_stages):
+                while pos[r] < len(plan[r]):
+                    st = state[r]
+                    if st is not None and st[0] == "work":
+                        break
+                    if st is not None and st[0] == "until":
+                        if st[1] > t:
+                            break
+                        finish(r, st[1])
+                        moved = True
+                        continue
+                    step = plan[r][pos[r]]
+                    if not step[0].op.is_comm:
+                        started[r] = t
+                        state[r] = ("work", duration(r, step[0]), t)
+                        if state[r][1] > 0:
+                            break
+                        after = wait(r, step[0]) if wait else 0.0
+                        if after > 0:
+                            state[r] = ("until", t + after)
+                            break
+                        finish(r, t)
+                        moved = True
+                        continue
                     if (r, pos[r]) not in posted:
-                        posted[r, pos[r]] = t
+                        posted[r, pos[r]] = started[r] = t
+                        in_background.extend((r, a, t) for a in step if deferred and a.op.is_send)
                         moved = True
                     waited = [a for a in step if not (deferred and a.op.is_send)]
                     peers = [partner(r, a)[:2] for a in waited]
-                    if any(p not in posted for p in peers):
+                    if any(q not in posted for q in peers):
+                        state[r] = ("blocked",)
                         break
-                    end = max([t] + [posted[p] for p in peers]) + max(
+                    end = max([started[r]] + [posted[q] for q in peers]) + max(
                         (comm_time(r, a) for a in waited), default=0.0)
-                    events.extend(Event(r, a, t, end) for a in waited)
-                    in_background += [(r, a, t) for a in step if deferred and a.op.is_send]
-                clock[r], pos[r], moved = end, pos[r] + 1, True
+                    if end > t:
+                        state[r] = ("until", end)
+                        break
+                    finish(r, end)
+                    moved = True
+
+    settle()
+    while True:
+        working = [r for r in range(n_stages) if state[r] is not None and state[r][0] == "work"]
+        rate = share(len(working)) if share and working else 1.0
+        nxt = [(state[r][2] + state[r][1] / rate, r) for r in working]
+        nxt += [(st[1], r) for r, st in enumerate(state) if st is not None and st[0] == "until"]
+        if not nxt:
+            break
+        t = min(nxt)[0]
+        for when, r in nxt:
+            if state[r][0] != "work":
+                continue
+            if when <= t:
+                after = wait(r, plan[r][pos[r]][0]) if wait else 0.0
+                if after > 0:
+                    state[r] = ("until", t + after)
+                else:
+                    finish(r, t)
+            elif share:  # the work done so far at this rate; the next rate may differ
+                _, left, since = state[r]
+                state[r] = ("work", left - (t - since) * rate, t)
+        settle()
     blocked = []
     for r in range(n_stages):
         if pos[r] < len(plan[r]):
@@ -240,10 +310,10 @@ def _run(schedule: Schedule, n_stages: int, where: dict, duration: CostFn,
                            f"waiting for {', '.join(waits)}")
     if blocked:
         _fail("deadlock: " + "; ".join(blocked))
-    for r, a, t in in_background:  # every receive was posted: each send completes, and the
+    for r, a, t0 in in_background:  # every receive was posted: each send completes, and the
         pr, i, _ = partner(r, a)  # rank waits for the last of them at the end of the step
-        end = max(t, posted[pr, i]) + comm_time(r, a)
-        events.append(Event(r, a, t, end))
+        end = max(t0, posted[pr, i]) + comm_time(r, a)
+        events.append(Event(r, a, t0, end))
         clock[r] = max(clock[r], end)
     return events, clock
 
