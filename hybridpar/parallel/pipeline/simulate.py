@@ -13,10 +13,12 @@ two ops) + comm time``. What the rank waits for depends on the transport, named 
   its stream): the batch ends when every op in it, sends included, has completed.
 
 A list that runs under ``"blocking"`` also runs under ``"deferred"`` (deferral only removes
-waits), so ``check`` proves both. Ranks that share processors (a CPU's cores, for the planner) can be
-timed with processor sharing: the compute of the n ranks computing at a moment progresses at
-``share(n)`` each, so the run is played in time order rather than by data flow alone. Messages between two ranks are matched in order (FIFO, no
+waits), so ``check`` proves both. Messages between two ranks are matched in order (FIFO, no
 tags), per ordered pair of ranks, activations and gradients alike, as a tagless runtime would.
+
+Ranks that share processors (a CPU's cores, for the planner) can be timed with processor
+sharing: the compute of the n ranks computing at a moment progresses at ``share(n)`` each, so
+the run is played in time order rather than by data flow alone.
 
 Before timing, static checks catch malformed schedules (missing, duplicated or misordered
 compute, unmatched or out-of-order messages); the run itself catches deadlocks. Every failure is
@@ -214,7 +216,8 @@ def _run(schedule: Schedule, n_stages: int, where: dict, duration: CostFn,
     posted: dict[tuple[int, int], float] = {}  # (rank, step index) -> time the batch was posted
     events: list[Event] = []
     in_background: list[tuple[int, Action, float]] = []  # deferred sends: (rank, action, posted)
-    # per rank: None (takes its next step), ("work", left, since), ("until", t) or ("blocked",)
+    # per rank: None (takes its next step, or waits for a peer to post), ("work", left, since)
+    # or ("until", t)
     state: list = [None] * n_stages
     started = [0.0] * n_stages
     t = 0.0
@@ -230,6 +233,16 @@ def _run(schedule: Schedule, n_stages: int, where: dict, duration: CostFn,
         else:
             events.append(Event(r, step[0], started[r], end))
         clock[r], pos[r], state[r] = end, pos[r] + 1, None
+
+    def work_done(r: int) -> bool:
+        """The compute action's work is done at ``t``: it waits in its collectives, if any, or
+        ends now (True)."""
+        after = wait(r, plan[r][pos[r]][0]) if wait else 0.0
+        if after > 0:
+            state[r] = ("until", t + after)
+            return False
+        finish(r, t)
+        return True
 
     def settle() -> None:
         """Take every step that needs no time to pass."""
@@ -251,13 +264,8 @@ def _run(schedule: Schedule, n_stages: int, where: dict, duration: CostFn,
                     if not step[0].op.is_comm:
                         started[r] = t
                         state[r] = ("work", duration(r, step[0]), t)
-                        if state[r][1] > 0:
+                        if state[r][1] > 0 or not work_done(r):
                             break
-                        after = wait(r, step[0]) if wait else 0.0
-                        if after > 0:
-                            state[r] = ("until", t + after)
-                            break
-                        finish(r, t)
                         moved = True
                         continue
                     if (r, pos[r]) not in posted:
@@ -267,7 +275,6 @@ def _run(schedule: Schedule, n_stages: int, where: dict, duration: CostFn,
                     waited = [a for a in step if not (deferred and a.op.is_send)]
                     peers = [partner(r, a)[:2] for a in waited]
                     if any(q not in posted for q in peers):
-                        state[r] = ("blocked",)
                         break
                     end = max([started[r]] + [posted[q] for q in peers]) + max(
                         (comm_time(r, a) for a in waited), default=0.0)
@@ -290,11 +297,7 @@ def _run(schedule: Schedule, n_stages: int, where: dict, duration: CostFn,
             if state[r][0] != "work":
                 continue
             if when <= t:
-                after = wait(r, plan[r][pos[r]][0]) if wait else 0.0
-                if after > 0:
-                    state[r] = ("until", t + after)
-                else:
-                    finish(r, t)
+                work_done(r)
             elif share:  # the work done so far at this rate; the next rate may differ
                 _, left, since = state[r]
                 state[r] = ("work", left - (t - since) * rate, t)
