@@ -72,6 +72,16 @@ def _no_processes_left(proc):
     raise AssertionError(f"processes left behind:\n{left.stdout}")
 
 
+def _ranks(job) -> list[str]:
+    """The job's ranks: the children of the fork server the launcher started (whose command,
+    like theirs, names multiprocessing.forkserver)."""
+    ps = subprocess.run(["ps", "-o", "pid=,ppid=,cmd=", "-g", str(job.pid)], capture_output=True,
+                        text=True).stdout.splitlines()
+    rows = [line.split(None, 2) for line in ps if "multiprocessing.forkserver" in line]
+    servers = {pid for pid, ppid, _ in rows if ppid == str(job.pid)}
+    return [pid for pid, ppid, _ in rows if ppid in servers]
+
+
 def _valid_latest(ck: Path) -> str:
     from hybridpar.checkpoint import store
 
@@ -179,8 +189,7 @@ def test_frozen_rank_is_named_at_its_position_and_the_job_ends_promptly(data, tm
         # heartbeats are sampled by a thread (at each new step, else every 2 s): on a loaded
         # machine it may not have run yet in the few ms these tiny steps take; give it a period
         time.sleep(3)
-        ranks = subprocess.run(["pgrep", "-P", str(job.pid), "-f", "spawn_main"], capture_output=True,
-                               text=True).stdout.split()
+        ranks = _ranks(job)
         assert len(ranks) == 2, ranks
         victim = int(sorted(ranks, key=int)[1])
         os.kill(victim, signal.SIGSTOP)

@@ -8,6 +8,7 @@ global batch of step k is sample ``perm_e[(k * B + i) mod N]`` of a permutation 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -50,13 +51,28 @@ def _split(images: np.ndarray, labels: np.ndarray, val_fraction: float, source: 
 
 def digits(*, val_fraction: float = 0.2) -> ImageDataset:
     """1,797 8x8 grey images of the digits 0-9 (UCI), scaled to [0, 1]."""
-    try:
+    table = _digits_table()
+    images = (table[:, :-1].reshape(-1, 8, 8) / 16.0).astype(np.float32)[:, None]  # (N, 1, 8, 8)
+    return _split(images, table[:, -1].astype(np.int64), val_fraction, "digits (scikit-learn)")
+
+
+def _digits_table() -> np.ndarray:
+    """scikit-learn's digits file, (1797, 65): 64 pixels (0-16) and the label per row. Read
+    straight from the installed package: importing scikit-learn costs a second or more per
+    process, i.e. seconds for the ranks of a job sharing a few cores."""
+    import gzip
+    import importlib.util
+
+    spec = importlib.util.find_spec("sklearn")  # locates the package without importing it
+    if spec is None:
+        raise DataError("the digits images come with scikit-learn: pip install 'hybridpar[vision]'")
+    path = Path(spec.submodule_search_locations[0], "datasets", "data", "digits.csv.gz")
+    if not path.is_file():  # another layout: ask scikit-learn itself
         from sklearn.datasets import load_digits
-    except ImportError:
-        raise DataError("the digits images come with scikit-learn: pip install 'hybridpar[vision]'") from None
-    d = load_digits()
-    images = (d.images / 16.0).astype(np.float32)[:, None]  # (N, 1, 8, 8)
-    return _split(images, d.target.astype(np.int64), val_fraction, "digits (scikit-learn)")
+        d = load_digits()
+        return np.concatenate([d.data, d.target[:, None]], axis=1)
+    with gzip.open(path, "rt") as f:
+        return np.loadtxt(f, delimiter=",")
 
 
 def synthetic(*, n: int, image_size: int, channels: int, n_classes: int, seed: int = 0,
