@@ -29,7 +29,7 @@ def tiny_config(*, dp=1, tp=1, pp=1, schedule="1f1b", microbatches=4, steps=5, o
         model=ModelConfig(**m),
         parallel=ParallelConfig(dp=dp, cp=cp, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule,
                                 order=order,
-                                bucket_mb=0.01),  # tiny buckets: several per rank, overlap exercised
+                                bucket_mb=0.03),  # small buckets: several per rank (12 at pp=1), overlap exercised
         # evaluation on, as users run it: mid-run (step 3) and at the last step
         train=TrainConfig(steps=steps, global_batch=32, lr=1e-2, warmup_steps=2, eval_every=3,
                           precision="fp32",  # exact comparisons on any device
