@@ -27,3 +27,37 @@ def test_ranks_see_the_environment_of_their_own_spawn(monkeypatch):
     for rank, got in second.items():
         assert got == {"rank": str(rank), "world": "2", "set_later": "yes", "removed": None,
                        "sigterm_default": True}, (rank, got)
+
+
+def _computed_once() -> dict:
+    import torch.distributed as dist
+
+    from hybridpar.config import ConfigError
+    from hybridpar.parallel.collectives import computed_once
+
+    dist.init_process_group("gloo")
+    try:
+        calls = []
+        value = computed_once(lambda: calls.append(1) or f"from rank {dist.get_rank()}", 2)
+
+        def fails():
+            raise ConfigError("cannot profile")
+        try:
+            computed_once(fails, 2)
+            error = None
+        except ConfigError as e:
+            error = str(e)
+        return {"value": value, "calls": len(calls), "error": error}
+    finally:
+        dist.destroy_process_group()
+
+
+def test_computed_once_runs_on_rank_0_and_its_error_reaches_every_rank():
+    """The pipeline split's profile is computed by rank 0 alone and broadcast: every rank gets
+    rank 0's value, only rank 0 computes it, and an error there is raised on every rank (no
+    rank is left waiting for a result)."""
+    from hybridpar.engine.launch import spawn
+
+    got = spawn(_computed_once, 2)
+    assert got[0] == {"value": "from rank 0", "calls": 1, "error": "cannot profile"}
+    assert got[1] == {"value": "from rank 0", "calls": 0, "error": "cannot profile"}

@@ -311,7 +311,9 @@ def parallelize(cfg: Config, mesh: ParallelMesh, *, spec: ModelSpec | None = Non
     full_shapes = {n: tuple(q.shape) for n, q in model.named_parameters(remove_duplicate=False)}
     full_shapes.update((n, tuple(b.shape)) for n, b in model.named_buffers())
     from ..planner.spec_model import pipeline_split
-    split, split_note = pipeline_split(cfg, spec, mesh.device.type, example)
+    from .collectives import computed_once
+    split, split_note = computed_once(lambda: pipeline_split(cfg, spec, mesh.device.type, example),
+                                      mesh.layout.world_size)
     chunk_units = split_pipeline(model, spec, mesh.pp_rank, mesh.layout.pp, split)
     tp_dims = apply_tp(model, mesh, dict(spec.tp_plan), sequence_parallel=p.sequence_parallel)
     sync_batchnorm(model, mesh.group("dp"))
