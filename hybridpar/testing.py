@@ -220,14 +220,22 @@ def cases_worker(cases: list[tuple[str, Config, str | None]], out_dir: str) -> N
 
 
 def join_world(rank: int, world: int, port: int, out: str, *, timeout_s: float | None = None) -> None:
-    """For a test rank started directly (``multiprocessing.Process``, not the launcher): its
+    """For a test rank started directly (a ``launch.rank_context()`` process, not ``spawn``): its
     stderr into ``out/stderr-rank{rank}.txt`` (read by the test when it fails), the env://
     variables, one thread, and the Gloo group (``timeout_s``: Gloo's own collective timeout)."""
     import os
     from datetime import timedelta
 
+    import signal
+
+    from .reliability.watchdog import LAUNCH_DIR_ENV
+
     log = open(Path(out, f"stderr-rank{rank}.txt"), "w")
     os.dup2(log.fileno(), 2)
+    # started from ``launch.rank_context()``'s fork server: its environment and its ignored
+    # SIGTERM are the server's, not this test's; no launcher folder either
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.environ.pop(LAUNCH_DIR_ENV, None)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)

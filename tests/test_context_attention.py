@@ -242,7 +242,9 @@ def results(tmp_path_factory):
     """{case: {rank: {"out", "dq", "dk", "dv": max abs error}}} from one spawn of 4 ranks."""
     out = tmp_path_factory.mktemp("context_attention")
     port, deadline = _free_port(), time.time() + 120
-    ctx = mp.get_context("spawn")
+    from hybridpar.engine.launch import rank_context
+
+    ctx = rank_context()  # ranks fork from the engine-preloaded server
     procs = [ctx.Process(target=_worker, args=(r, port, str(out))) for r in range(WORLD)]
     for p in procs:
         p.start()

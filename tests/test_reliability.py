@@ -116,7 +116,9 @@ def group(tmp_path_factory):
     from hybridpar.engine.launch import free_port
 
     out, port = tmp_path_factory.mktemp("reliability"), free_port()
-    ctx = mp.get_context("spawn")
+    from hybridpar.engine.launch import rank_context
+
+    ctx = rank_context()  # ranks fork from the engine-preloaded server
     procs = [ctx.Process(target=_worker, args=(r, port, str(out))) for r in range(WORLD)]
     for p in procs:
         p.start()

@@ -194,11 +194,23 @@ def _launch_options(launch_config, own_signals: bool) -> dict:
 
 
 # What a rank imports before it runs anything: loaded once in the fork server, not per rank.
-PRELOAD = ["hybridpar.engine.forkserver", "torch", "torch.distributed", "hybridpar.engine.launch",
-           "hybridpar.engine.train"]
+# (torch._dynamo and torch.onnx come in lazily with the first step: 4 s for 8 ranks here)
+PRELOAD = ["hybridpar.engine.forkserver", "torch", "torch.distributed", "torch._dynamo", "torch.onnx",
+           "torch.utils.flop_counter", "hybridpar.engine.launch", "hybridpar.engine.train",
+           "hybridpar.planner.spec_model", "hybridpar.planner.timing"]
 # This module's import-time environment: in a rank forked from the fork server, the server's
 # environment, i.e. what the rank started with before the agent set its own variables.
 _IMPORT_ENV, _IMPORT_PID = dict(os.environ), os.getpid()
+
+
+def rank_context():
+    """multiprocessing's fork-server context, its server preloading ``PRELOAD``: ranks fork from
+    one process that imported torch and the engine once (8 ranks here: 4 s to start instead of
+    18, each rank importing them on two cores). A rank started from it directly, not through
+    ``spawn``, sets its own environment (``testing.join_world``)."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
 
 
 def _in_launcher_env(env: dict[str, str], fn: Callable[..., Any], *args: Any) -> Any:
@@ -244,9 +256,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, max_restarts: int = 0
     # the agent's per-run folder (error files, logs) is ours to remove: no torchelastic_* left
     # behind in the temp folder by every run (a failure's messages are read before removal)
     logs = tempfile.mkdtemp(prefix="hybridpar-launch-")
-    # the ranks fork from one server that imported torch and the engine once (8 ranks here:
-    # 4 s to start instead of 15, each rank importing torch and the engine on two cores)
-    multiprocessing.set_forkserver_preload(PRELOAD)
+    rank_context()
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nprocs,
                           run_id=f"hybridpar-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
                           rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=max_restarts,
