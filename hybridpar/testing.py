@@ -226,15 +226,14 @@ def join_world(rank: int, world: int, port: int, out: str, *, timeout_s: float |
     import os
     from datetime import timedelta
 
-    import signal
-
+    from .engine.forkserver import as_rank
     from .reliability.watchdog import LAUNCH_DIR_ENV
 
     log = open(Path(out, f"stderr-rank{rank}.txt"), "w")
     os.dup2(log.fileno(), 2)
     # started from ``launch.rank_context()``'s fork server: its environment and its ignored
     # SIGTERM are the server's, not this test's; no launcher folder either
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    as_rank()
     os.environ.pop(LAUNCH_DIR_ENV, None)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))

@@ -12,8 +12,6 @@ errors, so the checks can fail.
 from __future__ import annotations
 
 import math
-import multiprocessing as mp
-import socket
 import time
 import traceback
 from pathlib import Path
@@ -231,19 +229,13 @@ def _worker(rank: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     """{case: {rank: {"out", "dq", "dk", "dv": max abs error}}} from one spawn of 4 ranks."""
-    out = tmp_path_factory.mktemp("context_attention")
-    port, deadline = _free_port(), time.time() + 120
-    from hybridpar.engine.launch import rank_context
+    from hybridpar.engine.launch import free_port, rank_context
 
+    out = tmp_path_factory.mktemp("context_attention")
+    port, deadline = free_port(), time.time() + 120
     ctx = rank_context()  # ranks fork from the engine-preloaded server
     procs = [ctx.Process(target=_worker, args=(r, port, str(out))) for r in range(WORLD)]
     for p in procs:

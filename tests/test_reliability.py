@@ -8,7 +8,6 @@ rank raise. The diagnosis and straggler rules are also unit-tested on synthetic 
 from __future__ import annotations
 
 import math
-import multiprocessing as mp
 import os
 import re
 import subprocess
@@ -113,11 +112,9 @@ def _worker(rank: int, port: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def group(tmp_path_factory):
     """Run the 8 ranks; returns (out dir, {rank: exit code}, {rank: exit time}, hang start)."""
-    from hybridpar.engine.launch import free_port
+    from hybridpar.engine.launch import free_port, rank_context
 
     out, port = tmp_path_factory.mktemp("reliability"), free_port()
-    from hybridpar.engine.launch import rank_context
-
     ctx = rank_context()  # ranks fork from the engine-preloaded server
     procs = [ctx.Process(target=_worker, args=(r, port, str(out))) for r in range(WORLD)]
     for p in procs:

@@ -221,7 +221,9 @@ def _in_launcher_env(env: dict[str, str], fn: Callable[..., Any], *args: Any) ->
     watchdog's folder, a user's export in a notebook) would be wrong in the ranks. The agent's
     own variables (RANK, MASTER_PORT, ...) are those that differ from the server's: they win.
     SIGTERM, which the server ignores (``forkserver``), is the rank's to take again."""
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    from .forkserver import as_rank
+
+    as_rank()
     if _IMPORT_PID == os.getpid():  # not preloaded by the server: keep what the agent set
         agent = dict(os.environ)
     else:
@@ -256,7 +258,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, max_restarts: int = 0
     # the agent's per-run folder (error files, logs) is ours to remove: no torchelastic_* left
     # behind in the temp folder by every run (a failure's messages are read before removal)
     logs = tempfile.mkdtemp(prefix="hybridpar-launch-")
-    rank_context()
+    rank_context()  # sets the server's preload; the agent asks for the same context by name
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nprocs,
                           run_id=f"hybridpar-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
                           rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=max_restarts,
