@@ -72,14 +72,30 @@ def _no_processes_left(proc):
     raise AssertionError(f"processes left behind:\n{left.stdout}")
 
 
-def _ranks(job) -> list[str]:
-    """The job's ranks: the children of the fork server the launcher started (whose command,
-    like theirs, names multiprocessing.forkserver)."""
-    ps = subprocess.run(["ps", "-o", "pid=,ppid=,cmd=", "-g", str(job.pid)], capture_output=True,
-                        text=True).stdout.splitlines()
-    rows = [line.split(None, 2) for line in ps if "multiprocessing.forkserver" in line]
-    servers = {pid for pid, ppid, _ in rows if ppid == str(job.pid)}
-    return [pid for pid, ppid, _ in rows if ppid in servers]
+def _children(pid: int) -> list[int]:
+    """Live children of ``pid``, read from /proc (``ps`` cuts its command column to $COLUMNS)."""
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # ended while we looked
+        if int(fields[1]) == pid and fields[0] != "Z":
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _ranks(job) -> list[int]:
+    """The job's ranks: the children of the fork server the launcher started."""
+    servers = [pid for pid in _children(job.pid) if b"multiprocessing.forkserver" in _cmdline(pid)]
+    return [rank for server in servers for rank in _children(server)]
 
 
 def _valid_latest(ck: Path) -> str:
@@ -191,7 +207,7 @@ def test_frozen_rank_is_named_at_its_position_and_the_job_ends_promptly(data, tm
         time.sleep(3)
         ranks = _ranks(job)
         assert len(ranks) == 2, ranks
-        victim = int(sorted(ranks, key=int)[1])
+        victim = sorted(ranks)[1]
         os.kill(victim, signal.SIGSTOP)
         frozen_at = time.monotonic()
         rc, _ = _finish(job, timeout=deadline + 60)
