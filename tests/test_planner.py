@@ -183,6 +183,27 @@ def test_shared_collectives_apply_when_the_world_is_larger_than_the_group(tmp_pa
     assert collective_time(gpu, "all-reduce", 2, 1e6, world=8) == pytest.approx(1e-4 + 1e-3)
 
 
+def test_collective_latency_grows_with_the_compute_between_calls(tmp_path):
+    """A fit [alpha, beta, alpha0, gap]: back to back (gap 0) a call pays alpha0, after the
+    calibrated gap or more alpha, linearly between; beta does not change. Among more busy ranks
+    all four are interpolated in the world size. A profile without alpha0 ([alpha, beta]) costs
+    alpha at any gap."""
+    c = replace(CPU, collectives={"all-reduce": {2: [3e-3, 1e-9, 1e-3, 4e-3]}},
+                collectives_shared={"all-reduce": {4: {2: [5e-3, 1e-9, 3e-3, 8e-3]}}})
+    path = str(tmp_path / "p.json")
+    save_profile(c, path)
+    assert load_profile(path) == c
+    t = lambda gap, world=0: collective_time(c, "all-reduce", 2, 1e6, world=world, gap=gap)  # noqa: E731
+    assert t(None) == pytest.approx(3e-3 + 1e-3)  # no gap given: as calibrated
+    assert t(0.0) == pytest.approx(1e-3 + 1e-3)
+    assert t(2e-3) == pytest.approx(2e-3 + 1e-3)
+    assert t(4e-3) == t(1.0) == pytest.approx(3e-3 + 1e-3)
+    assert t(4e-3, world=4) == pytest.approx(4e-3 + 1e-3)  # half of the 8 ms gap among 4 ranks
+    assert t(4e-3, world=3) == pytest.approx(2e-3 + 2e-3 * 4 / 6 + 1e-3)  # alpha 4, alpha0 2, gap 6 ms
+    old = replace(c, collectives={"all-reduce": {2: [3e-3, 1e-9]}}, collectives_shared={})
+    assert collective_time(old, "all-reduce", 2, 1e6, gap=0.0) == pytest.approx(3e-3 + 1e-3)
+
+
 def test_cli_plan_prints_a_table(capsys):
     rc = main(["plan", "--model", "gpt3-175b", "--cluster", "a100-80g", "--nodes", "128",
                "--devices-per-node", "8", "--global-batch", "1536", "--top", "3", "--print-command"])

@@ -124,42 +124,50 @@ def _steps(op: str, n: int) -> int:
     return {"all-reduce": 2 * (n - 1), "reduce-scatter": n - 1, "all-gather": n - 1, "send/recv": 1}[op]
 
 
-def _scaled_fit(fit: dict, op: str, n: int) -> tuple[float, float]:
-    """(alpha, beta) at group size n from fits by group size: the nearest n, scaled by the ring
-    step and byte factors."""
+def _scaled_fit(fit: dict, op: str, n: int) -> tuple[float, float, float, float]:
+    """(alpha, beta, alpha0, gap) at group size n from fits by group size: the nearest n, scaled
+    by the ring step and byte factors. A profile calibrated before the back-to-back latency was
+    measured has [alpha, beta] only: alpha0 = alpha, and the latency does not vary."""
     n0 = min(fit, key=lambda k: abs(math.log(k / n)))
-    alpha, beta = fit[n0]
-    return alpha * _steps(op, n) / _steps(op, n0), beta * ring_bytes(op, n, 1) / ring_bytes(op, n0, 1)
+    alpha, beta, alpha0, gap = (*fit[n0], *fit[n0][:1], 0.0)[:4]
+    steps = _steps(op, n) / _steps(op, n0)
+    return alpha * steps, beta * ring_bytes(op, n, 1) / ring_bytes(op, n0, 1), alpha0 * steps, gap
 
 
 def collective_time(c: Cluster, op: str, n: int, nbytes: float, *, inter: bool = False,
-                    world: float = 0) -> float:
+                    world: float = 0, gap: float | None = None) -> float:
     """Seconds of one collective on ``nbytes`` (the full tensor) over n ranks.
 
     Calibrated profile: measured alpha + beta*bytes for that op and n (the nearest n, scaled
     by the ring step and byte factors). On a CPU, with ``world`` (busy) ranks sharing the cores,
     alpha and beta are interpolated linearly in the world size between the group measured alone
     (world = n) and the fits measured in concurrent groups (``collectives_shared``), clamped at
-    the largest. Otherwise alpha-beta: ring = steps*alpha + ring_bytes/bw; all-reduce takes the
-    better of ring and (double binary) tree, 2log2(n)*alpha + 2*bytes/bw, as NCCL does for small
-    messages."""
+    the largest. ``gap``: the caller's compute, in seconds, since its previous collective; the
+    latency is interpolated linearly from the back-to-back one (gap 0) to the one calibrated
+    between matmuls (gap >= the calibrated gap): alpha(g) = alpha0 + (alpha - alpha0) *
+    min(g / gap_cal, 1); None: the calibrated gap. Otherwise alpha-beta: ring =
+    steps*alpha + ring_bytes/bw; all-reduce takes the better of ring and (double binary) tree,
+    2log2(n)*alpha + 2*bytes/bw, as NCCL does for small messages."""
     if n <= 1 or nbytes <= 0:
         return 0.0
     if op == "reduce-scatter" and c.backend == "gloo":
         op = "all-reduce"  # what the runtime does on Gloo
     fit = c.collectives.get(op)
     if fit and not inter:
-        alpha, beta = _scaled_fit(fit, op, n)
+        got = _scaled_fit(fit, op, n)
         shared = c.collectives_shared.get(op, {})
         if shared and c.cores and world > n:
-            pts = [(float(n), alpha, beta)] + sorted((float(k), *_scaled_fit(f, op, n))
-                                                      for k, f in shared.items() if k > n)
+            pts = [(float(n), *got)] + sorted((float(k), *_scaled_fit(f, op, n))
+                                              for k, f in shared.items() if k > n)
             w = min(world, pts[-1][0])
-            for (k0, a0, b0), (k1, a1, b1) in zip(pts, pts[1:]):
-                if w <= k1:
-                    x = (w - k0) / (k1 - k0)
-                    alpha, beta = a0 + (a1 - a0) * x, b0 + (b1 - b0) * x
+            for p0, p1 in zip(pts, pts[1:]):
+                if w <= p1[0]:
+                    x = (w - p0[0]) / (p1[0] - p0[0])
+                    got = tuple(v0 + (v1 - v0) * x for v0, v1 in zip(p0[1:], p1[1:]))
                     break
+        alpha, beta, alpha0, cal_gap = got
+        if gap is not None and cal_gap > 0:
+            alpha = alpha0 + (alpha - alpha0) * min(max(gap, 0.0) / cal_gap, 1.0)
         return alpha + beta * nbytes
     link = c.inter if inter else c.intra
     ring = _steps(op, n) * link.alpha + ring_bytes(op, n, nbytes) / link.bw

@@ -182,8 +182,9 @@ def pass_time(u: UnitProfile, kind: str, recompute: str, c: Cluster, b: int, *, 
               slow: float, tp: int, world: float, replicas: int = 1,
               inter: bool = False, measured: float | None = None) -> tuple[float, float]:
     """(seconds, of which communication) of one forward or backward of unit ``u``: its tp
-    collectives over tp ranks, its data-parallel ones (SyncBatchNorm) over the ``replicas``;
-    its compute modelled from the profile, or ``measured`` (seconds, alone on the device)."""
+    collectives over tp ranks, its data-parallel ones (SyncBatchNorm) over the ``replicas``,
+    each after an equal share of the unit's compute; its compute modelled from the profile,
+    or ``measured`` (seconds, alone on the device)."""
     from .costs import collective_time
     ps = (u.fwd if kind == "fwd" else u.bwd)[recompute]
     scale = c.dtype_bytes / 4
@@ -194,8 +195,12 @@ def pass_time(u: UnitProfile, kind: str, recompute: str, c: Cluster, b: int, *, 
         ew = max(ps.traffic.at(b), 0.0) * scale * traffic_scale() / c.elementwise_bw(threads)
         measured = mm + ew + ps.ops * op_overhead(c)
     compute = measured * slow
-    comm = sum(collective_time(c, op, tp, nbytes.at(b) * scale, world=world) for op, nbytes in ps.comm)
-    comm += sum(collective_time(c, op, replicas, nbytes.at(b), inter=inter, world=world)
+    # the unit's compute falls between its collectives: its share per call is the gap whose
+    # latency each pays (``collective_time``)
+    gap = compute / max(1, len(ps.comm) + len(ps.dp_comm))
+    comm = sum(collective_time(c, op, tp, nbytes.at(b) * scale, world=world, gap=gap)
+               for op, nbytes in ps.comm)
+    comm += sum(collective_time(c, op, replicas, nbytes.at(b), inter=inter, world=world, gap=gap)
                 for op, nbytes in ps.dp_comm)  # statistics: fp32 under any precision
     return compute + comm, comm
 

@@ -93,15 +93,20 @@ def _chunk_costs(m: ModelConfig, plan: Plan, c: Cluster, *, layers: int, embed: 
     layer_f = (mm_f + ew_f + ovh["layer"] / 3) * slow
     layer_b = (2 * (mm_f + ew_f) + 2 * ovh["layer"] / 3) * slow
     act = n * d * a
-    if t > 1:
-        if sp:  # all-gather in, reduce-scatter out, per region
-            tp1 = (collective_time(c, "all-gather", t, act, world=w)
-                   + collective_time(c, "reduce-scatter", t, act, world=w))
-        else:
-            tp1 = collective_time(c, "all-reduce", t, act, world=w)
-    else:
-        tp1 = 0.0
-    comm_f = comm_b = 2 * tp1 * layers
+
+    def tp_region(layer: float) -> float:
+        """One region's tp communication in a pass whose layer computes ``layer`` seconds
+        between its collectives (2 regions a layer; each an all-reduce, or with sp an
+        all-gather and a reduce-scatter): their latency grows with that gap."""
+        if t == 1:
+            return 0.0
+        if sp:
+            return (collective_time(c, "all-gather", t, act, world=w, gap=layer / 4)
+                    + collective_time(c, "reduce-scatter", t, act, world=w, gap=layer / 4))
+        return collective_time(c, "all-reduce", t, act, world=w, gap=layer / 2)
+
+    tp1, tp1_b = tp_region(layer_f), tp_region(layer_b)
+    comm_f, comm_b = 2 * tp1 * layers, 2 * tp1_b * layers
     if plan.cp > 1:  # ring attention: what of the K/V (forward) and K/V + fp32 dK/dV (backward)
         # transfers the attention blocks' compute does not hide, per layer
         hop = collective_time(c, "send/recv", 2, 2 * n * g * e * a, inter=spans_nodes(c, plan, "cp"),
