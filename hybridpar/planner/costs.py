@@ -129,7 +129,8 @@ def _scaled_fit(fit: dict, op: str, n: int) -> tuple[float, float, float, float]
     by the ring step and byte factors. A profile calibrated before the back-to-back latency was
     measured has [alpha, beta] only: alpha0 = alpha, and the latency does not vary."""
     n0 = min(fit, key=lambda k: abs(math.log(k / n)))
-    alpha, beta, alpha0, gap = (*fit[n0], *fit[n0][:1], 0.0)[:4]
+    alpha, beta, *rest = fit[n0]
+    alpha0, gap = rest or (alpha, 0.0)
     steps = _steps(op, n) / _steps(op, n0)
     return alpha * steps, beta * ring_bytes(op, n, 1) / ring_bytes(op, n0, 1), alpha0 * steps, gap
 

@@ -254,9 +254,10 @@ def _collectives_worker(sizes: list[int], iters: int, n: int) -> dict | None:
         groups = [dist.new_group(list(range(i, i + n))) for i in range(0, k, n)]
         group, out = groups[rank // n], {}
 
-        def slowest(t: float) -> float:
-            v = torch.tensor([max(t, 1e-6)], dtype=torch.float64)
-            dist.all_reduce(v, op=dist.ReduceOp.MAX)
+        def across(t: float, op=dist.ReduceOp.MAX) -> float:
+            """``t`` reduced over the world (default: the slowest rank's)."""
+            v = torch.tensor([t], dtype=torch.float64)
+            dist.all_reduce(v, op=op)
             return v.item()
 
         for name, (_, numel, ours, _raw) in cases(n).items():
@@ -275,17 +276,16 @@ def _collectives_worker(sizes: list[int], iters: int, n: int) -> dict | None:
                     both = _time(lambda v, g: (a @ w, ours(v, g)), x, group, iters)
                     alone = _time(lambda v, g: a @ w, x, group, iters)
                     runs.append((both - alone, alone))
-                pts.append((size, slowest(statistics.median(t for t, _ in runs))))
+                pts.append((size, across(max(statistics.median(t for t, _ in runs), 1e-6))))
                 gaps.append(statistics.median(c for _, c in runs))
                 if i < 2:  # the latency end: the same op back to back
                     dist.barrier()
-                    near.append((size, slowest(statistics.median(
-                        _time(ours, x, group, iters) for _ in range(5)))))
+                    near.append((size, across(max(statistics.median(
+                        _time(ours, x, group, iters) for _ in range(5)), 1e-6))))
             alpha, beta = _fit(pts)
             alpha0 = statistics.median(max(t - beta * b, 0.0) for b, t in near)
-            gap = torch.tensor([statistics.median(gaps)], dtype=torch.float64)
-            dist.all_reduce(gap)
-            out[name] = [alpha, beta, min(alpha0, alpha), gap.item() / k]
+            gap = across(statistics.median(gaps), dist.ReduceOp.SUM) / k  # the ranks' mean
+            out[name] = [alpha, beta, min(alpha0, alpha), gap]
         return out if rank == 0 else None
     finally:
         from ..engine.launch import teardown
