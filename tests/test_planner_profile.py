@@ -4,6 +4,7 @@ pipeline split, and ``hybridpar plan`` for the ViT, the ResNet and a user's spec
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 import random
 
 import pytest
@@ -55,6 +56,28 @@ def test_linear_and_conv_flops_equal_the_hand_formulas():
     # parameters and the message after each unit
     assert conv.params == 4 * C * 9 + 4 and fc.params == 256 * 32 + 32
     assert conv.out_bytes.at(B) == B * 4 * H * H * 4 and fc.out_bytes.at(B) == B * 32 * 4
+
+
+def test_matmuls_read_the_weights_made_before_the_pass():
+    """``Pass.weights``: what the matmuls read that is neither made in the pass nor grows with
+    the batch. A linear's forward reads its weight and bias, its backward the weight once (the
+    input gradient; the weight gradient reads activations); the Llama block's q/k/v and w1/w3
+    weights are concatenated in the pass (``fused_linear``), so only wo and w2 are read cold.
+    The time is those bytes at the calibrated bandwidth, added to the FLOPs' time."""
+    prof = profile_spec(_toy_spec(), _toy_example)
+    _, fc, out = prof.units
+    assert fc.fwd["none"].weights == (256 * 32 + 32) * 4 and fc.bwd["none"].weights == 256 * 32 * 4
+    assert out.fwd["none"].weights == (32 * 10 + 10) * 4 and out.bwd["none"].weights == 32 * 10 * 4
+    m = ModelConfig(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, d_ff=128, seq_len=32)
+    spec = spec_for(m)
+    block = profile_spec(spec, sm.example_batch(spec, m)).unit("layers.0")
+    wo_w2 = (64 * 64 + 128 * 64) * 4
+    assert block.fwd["none"].weights == wo_w2 and block.bwd["none"].weights == wo_w2
+    c = load_cluster("cpu")
+    cold = replace(c, weight_bw={1: 1e9})
+    kw = dict(threads=1, slow=1.0, tp=1, world=0)
+    base = sm.pass_time(fc, "fwd", "none", c, B, **kw)[0]
+    assert sm.pass_time(fc, "fwd", "none", cold, B, **kw)[0] == pytest.approx(base + (256 * 32 + 32) * 4 / 1e9)
 
 
 def test_attention_block_flops_equal_the_hand_formula():
@@ -124,9 +147,11 @@ def test_the_profile_agrees_with_the_llama_closed_forms():
     m = ModelConfig()
     model = sm.SpecModel(m)
     c = load_cluster("cpu", nodes=1, devices_per_node=4)
-    for plan in [Plan(4, 1, 1, 1, 4), Plan(2, 2, 1, 2, 4), Plan(1, 2, 2, 4, 2, sequence_parallel=True),
-                 Plan(1, 1, 4, 4, 4, recompute="full"), Plan(2, 1, 2, 4, 2, recompute="selective", zero1=True)]:
-        a, b = predict_time(m, plan, c).step_time, predict_time(model, plan, c).step_time
+    for plan, cl in itertools.product(
+            [Plan(4, 1, 1, 1, 4), Plan(2, 2, 1, 2, 4), Plan(1, 2, 2, 4, 2, sequence_parallel=True),
+             Plan(1, 1, 4, 4, 4, recompute="full"), Plan(2, 1, 2, 4, 2, recompute="selective", zero1=True)],
+            [c, replace(c, weight_bw={1: 2e9})]):  # and with weights read cold, a tenth of a step
+        a, b = predict_time(m, plan, cl).step_time, predict_time(model, plan, cl).step_time
         assert abs(b / a - 1) < 0.10, (plan, a, b)
         ma, mb = peak_memory(m, plan, c)["total"], peak_memory(model, plan, c)["total"]
         assert abs(mb / ma - 1) < 0.01, (plan, ma, mb)

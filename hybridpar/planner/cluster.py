@@ -49,6 +49,9 @@ class Cluster:
     """{threads per rank: [(convolution flops, achieved FLOP/s), ...]}; empty: the matmul table."""
     conv_bwd: dict = field(default_factory=dict)
     """The same for a convolution's backward (input and weight gradients, 2x the FLOPs)."""
+    weight_bw: dict = field(default_factory=dict)
+    """Calibrated on a CPU: {threads per rank: bytes/s} at which a matmul streams a weight that
+    is not in the core's cache, over the matmul table's rate (measured hot); empty: free."""
     intra: Link = Link(10e-6, 230e9)
     inter: Link = Link(20e-6, 23e9)
     collectives: dict = field(default_factory=dict)
@@ -123,6 +126,15 @@ class Cluster:
     def elementwise_bw(self, threads: int = 1) -> float:
         return self.mem_bw[min(self.mem_bw, key=lambda t: abs(int(t) - threads))]
 
+    def weight_time(self, nbytes: float, threads: int = 1) -> float:
+        """Seconds matmuls spend, beyond their FLOPs, reading ``nbytes`` of weights from beyond
+        the core's cache: in training a layer's weights are evicted between their uses, and at
+        a few rows per micro-batch that read is a fifth of a GEMM's time (a 68 x 256 x 768
+        product ran at 96 GFLOP/s with its weight hot and 79 with it cold here)."""
+        if not self.weight_bw or nbytes <= 0:
+            return 0.0
+        return nbytes / self.weight_bw[min(self.weight_bw, key=lambda t: abs(int(t) - threads))]
+
 
 def _rate(tables: dict, flops: float, threads: int) -> float:
     """A {threads: [(flops, FLOP/s)]} table at ``flops``, interpolated in log(flops); below the
@@ -196,6 +208,7 @@ def load_profile(path: str) -> Cluster:
     d["intra"], d["inter"] = Link(**d["intra"]), Link(**d["inter"])
     d["matmul"] = {int(t): [tuple(x) for x in rows] for t, rows in d["matmul"].items()}
     d["mem_bw"] = {int(t): v for t, v in d["mem_bw"].items()}
+    d["weight_bw"] = {int(t): v for t, v in d.get("weight_bw", {}).items()}
     for key in ("conv", "conv_bwd"):
         d[key] = {int(t): [tuple(x) for x in rows] for t, rows in d.get(key, {}).items()}
     d["collectives"] = {op: {int(n): ab for n, ab in by_n.items()} for op, by_n in d["collectives"].items()}

@@ -83,6 +83,11 @@ class Pass:
     conv_grads: tuple[float, ...] = ()
     """FLOPs per sample of each convolution backward (input + weight gradients in one call):
     timed at the convolution backward rate."""
+    weights: float = 0.0
+    """Bytes the matmul-class calls read that neither the pass made nor scale with b: the
+    parameters (a forward's weights, a backward's input-gradient products), streamed from
+    beyond the core's cache at each use (``Cluster.weight_time``); a weight the pass builds
+    itself (``fused_linear``'s concatenation) is read hot and not counted."""
 
 
 @dataclass(frozen=True)
@@ -137,6 +142,7 @@ class _Counter(torch.utils._python_dispatch.TorchDispatchMode):
         self.timed: list[float] = []
         self.convs: list[float] = []
         self.conv_grads: list[float] = []
+        self.read = 0.0  # bytes the matmul-class calls read from tensors made before the pass
         self.traffic = 0.0
         self.comm: list[tuple[str, float]] = []
         self.ops = 0
@@ -144,7 +150,7 @@ class _Counter(torch.utils._python_dispatch.TorchDispatchMode):
 
     def summary(self) -> tuple:
         return (tuple(self.matmuls), tuple(self.timed), self.traffic, tuple(self.comm), self.ops,
-                tuple(self.dp_comm), tuple(self.convs), tuple(self.conv_grads))
+                tuple(self.dp_comm), tuple(self.convs), tuple(self.conv_grads), self.read)
 
     @staticmethod
     def _group(args):
@@ -182,6 +188,8 @@ class _Counter(torch.utils._python_dispatch.TorchDispatchMode):
         elif func.overloadpacket in self.registry:  # one matmul-class call: its FLOPs
             flops = float(self.registry[func.overloadpacket](*args, **(kwargs or {}), out_val=out))
             self.matmuls.append(flops)
+            self.read += sum(t.numel() * t.element_size() for t in _flat((args, kwargs))
+                             if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in self.created)
             if "conv" in name:  # convolutions and their gradients, each at its own rate
                 (self.conv_grads if "backward" in name else self.convs).append(flops)
             else:
@@ -437,12 +445,13 @@ def profile_spec(spec: ModelSpec, example, *, tp: int = 1, sequence_parallel: bo
             return Linear.fit(a, b)
 
         def pass_(rc, key):
-            mm, timed, _, _, ops, _, convs, grads = one_ = runs[rc, 1][i][key]
+            mm, timed, _, _, ops, _, convs, grads, _ = one_ = runs[rc, 1][i][key]
             two = runs[rc, 2][i][key]
             t = Linear.fit(one_[2], two[2])
+            weights = max(Linear.fit(one_[8], two[8]).x0, 0.0)  # what does not scale with b
             comm, dp = ((tuple((op, Linear.fit(x, y)) for (op, x), (_, y) in zip(one_[j], two[j])))
                         for j in (3, 5))
-            return Pass(mm, timed, t, comm, ops, dp, convs, grads)
+            return Pass(mm, timed, t, comm, ops, dp, convs, grads, weights)
 
         one = runs[settings[0], 1][i]
         if "same_as" in one and all(runs[k][i].get("same_as") == one["same_as"] for k in runs):

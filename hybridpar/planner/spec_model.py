@@ -6,12 +6,13 @@ its other ops move, its tensor-parallel collectives, the bytes autograd keeps fo
 under each recompute setting, its parameters and the bytes of its output. A chunk of units on
 one rank, for a micro-batch of b samples, then costs
 
-    time    sum over its units and passes of  sum_op mm(F_op b) + bytes(b) k / bw
-            + ops * o_op, times the CPU slow-down, + the tp collectives' times
+    time    sum over its units and passes of  sum_op mm(F_op b) + weights / bw_w
+            + bytes(b) k / bw + ops * o_op, times the CPU slow-down, + the tp collectives' times
     memory  sum of the units' kept bytes, minus a tensor two adjacent units both keep
     message the bytes of its last unit's output
 
-with mm(F) = F / (the calibrated rate for a matmul of F FLOPs). ``k`` and ``o_op`` carry the
+with mm(F) = F / (the calibrated rate for a matmul of F FLOPs), ``weights`` the parameter bytes
+its matmuls read (``Pass.weights``) at the calibrated cold-weight bandwidth bw_w. ``k`` and ``o_op`` carry the
 calibration over from the model it was fitted on: the cluster's elementwise bandwidth was fitted
 to the Llama's ``elementwise_bytes`` and its per-layer overhead to a Llama block's
 forward+backward, so ``k`` is the ratio of those bytes to the profiled bytes of the reference
@@ -193,7 +194,8 @@ def pass_time(u: UnitProfile, kind: str, recompute: str, c: Cluster, b: int, *, 
               + sum(b * f / c.conv_rate(b * f, threads) for f in ps.convs if f > 0)
               + sum(b * f / c.conv_rate(b * f, threads, backward=True) for f in ps.conv_grads if f > 0))
         ew = max(ps.traffic.at(b), 0.0) * scale * traffic_scale() / c.elementwise_bw(threads)
-        measured = mm + ew + ps.ops * op_overhead(c)
+        cold = c.weight_time(ps.weights * scale, threads)
+        measured = mm + cold + ew + ps.ops * op_overhead(c)
     compute = measured * slow
     # the unit's compute falls between its collectives: its share per call is the gap whose
     # latency each pays (``collective_time``)

@@ -87,11 +87,15 @@ def _chunk_costs(m: ModelConfig, plan: Plan, c: Cluster, *, layers: int, embed: 
 
     core = next(x for name, _, x in matmuls(m, n, t) if name == "attention")
     mm_f = sum(mm(x) for _, _, x in matmuls(m, n, t))
+    # the weights read cold, once a pass: wo and w2 (``fused_linear`` builds q/k/v's and
+    # w1/w3's in the pass, hot; its backward builds them again), as ``Pass.weights`` counts
+    cold = c.weight_time(sum(x for name, x, _ in matmuls(m, n, t) if name in ("wo", "w2"))
+                         / (2 * n) * a, threads)
     ew_f = elementwise_bytes(m, n, t, sp, a) / bw
     ovh = c.overhead
     # the framework's dispatch is CPU work too: it slows down with the compute
-    layer_f = (mm_f + ew_f + ovh["layer"] / 3) * slow
-    layer_b = (2 * (mm_f + ew_f) + 2 * ovh["layer"] / 3) * slow
+    layer_f = (mm_f + cold + ew_f + ovh["layer"] / 3) * slow
+    layer_b = (2 * (mm_f + ew_f) + cold + 2 * ovh["layer"] / 3) * slow
     act = n * d * a
 
     def tp_region(layer: float) -> float:
@@ -129,8 +133,9 @@ def _chunk_costs(m: ModelConfig, plan: Plan, c: Cluster, *, layers: int, embed: 
     if head:
         hf = head_flops(m, n, t)
         ew = (4 * n * d * 12 + 4 * n * m.vocab_size / t * 6) / bw
-        fwd += (mm(hf) + ew) * slow
-        bwd += 2 * (mm(hf) + ew) * slow
+        cold_h = c.weight_time(hf / (2 * n) * a, threads)
+        fwd += (mm(hf) + cold_h + ew) * slow
+        bwd += (2 * (mm(hf) + ew) + cold_h) * slow
         if t > 1:  # vocab-parallel CE: 2 all-reduces of n values; backward: copy_to_tp's
             ce = (collective_time(c, "all-reduce", t, 4 * n, world=w)
                   + collective_time(c, "all-reduce", t, 8 * n, world=w))

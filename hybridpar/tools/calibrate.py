@@ -2,6 +2,7 @@
 
   matmul      achieved FLOP/s of the default model's matmul shapes (forward, input-gradient and
               weight-gradient products of each), at 1 .. cores threads (threads per rank)
+  weights     the bandwidth at which a matmul reads a weight not in cache (the table is hot)
   memory      the elementwise bandwidth that, with the matmul table and the overheads,
               reproduces the measured step of the default model trained in one process
   collectives Gloo all-reduce, all-gather and send/recv (the runtime's own wrappers, via
@@ -66,6 +67,30 @@ def matmul_table(threads: int) -> list[tuple[float, float]]:
     return sorted(rows.items())
 
 
+def weight_bw(threads: int, tokens: int = 64, rotate: int = 64 << 20) -> float:
+    """Bytes/s at which a matmul reads a weight that is not in cache, beyond the table's (hot)
+    time: the default model's weights at ``tokens`` rows, forward (x @ w) and input gradient
+    (gy @ w.T), each timed on one weight again and again, then cycling through copies filling
+    ``rotate`` bytes (past the caches, as a training step's weights are between their uses);
+    the median of weight bytes / (cold - hot). A weight-gradient product reads activations,
+    not weights: it costs the same either way (measured), and is not a point here."""
+    import torch
+
+    from ..config import ModelConfig
+
+    torch.set_num_threads(threads)
+    m, rates = ModelConfig(), []
+    for k, j in ((m.d_model, m.d_model), (m.d_model, m.d_ff), (m.d_ff, m.d_model)):
+        ws = [torch.randn(k, j) for _ in range(max(2, rotate // (4 * k * j)))]
+        x, gy = torch.randn(tokens, k), torch.randn(tokens, j)
+        for product in (lambda w: x @ w, lambda w: gy @ w.T):
+            hot = _timeit(lambda: product(ws[0]))
+            turn = iter(range(1 << 62))
+            cold = _timeit(lambda: product(ws[next(turn) % len(ws)]))
+            rates.append(4 * k * j / max(cold - hot, 1e-9))
+    return min(statistics.median(rates), 1e13)
+
+
 def conv_table(threads: int) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
     """([(flops, FLOP/s)] forward, the same backward) of 3x3 convolutions of a CNN's shapes (8
     images, C -> C channels at H x H); a backward computes the input and weight gradients, twice
@@ -106,7 +131,8 @@ def _median_step(model, *, mb: int, microbatches: int, threads: int, data, steps
     return statistics.median([trainer.train_step()["step_time_s"] for _ in range(steps)][warmup:])
 
 
-def elementwise_bw(threads: int, table: list[tuple[float, float]], overhead: dict) -> float:
+def elementwise_bw(threads: int, table: list[tuple[float, float]], overhead: dict,
+                   weights: float = 0.0) -> float:
     """The elementwise bandwidth with which the cost model reproduces real training steps of the
     default model in one process at ``threads`` threads (through the ``Trainer``: dispatch,
     hooks, loss and optimizer as the runtime pays them), at 2 and 8 sequences per micro-batch.
@@ -128,7 +154,8 @@ def elementwise_bw(threads: int, table: list[tuple[float, float]], overhead: dic
 
         def predicted(bw: float) -> float:
             probe = Cluster(name="probe", devices_per_node=1, cores=threads, matmul={threads: table},
-                            mem_bw={threads: bw}, overhead=overhead, backend="gloo", dtype_bytes=4)
+                            mem_bw={threads: bw}, weight_bw={threads: weights} if weights else {},
+                            overhead=overhead, backend="gloo", dtype_bytes=4)
             return predict_time(m, plan, probe).step_time
 
         # the step is t0 + bytes / bw: two predictions give both
@@ -306,8 +333,10 @@ def calibrate(ranks: tuple[int, ...] = (2, 4, 8), *, log=print) -> Cluster:
     conv, conv_bwd = ({t: v[i] for t, v in tables.items()} for i in (0, 1))
     log(f"convolutions: {min(r for _, r in conv[1]) / 1e9:.1f} .. {max(r for _, r in conv[1]) / 1e9:.1f} "
         f"GFLOP/s on 1 thread")
+    cold = {t: weight_bw(t) for t in thread_counts}
+    log("weights read cold: " + ", ".join(f"{v / 1e9:.1f} GB/s on {t} threads" for t, v in cold.items()))
     ovh = overheads()
-    mem_bw = {t: elementwise_bw(t, matmul[t], ovh) for t in thread_counts}
+    mem_bw = {t: elementwise_bw(t, matmul[t], ovh, cold[t]) for t in thread_counts}
     log(f"elementwise: {', '.join(f'{v / 1e9:.1f} GB/s on {t} threads' for t, v in mem_bw.items())}")
     over = oversubscription(tuple(sorted({1, *ranks})))
     log("oversubscription: " + ", ".join(f"{k} ranks x{v:.2f}" for k, v in over.items()))
@@ -328,7 +357,7 @@ def calibrate(ranks: tuple[int, ...] = (2, 4, 8), *, log=print) -> Cluster:
     p2p = coll["send/recv"][min(coll["send/recv"])]
     link = Link(p2p[0], 1.0 / max(p2p[1], 1e-30))
     return Cluster(name="calibrated cpu", nodes=1, devices_per_node=cores, mem_bytes=float(ram),
-                   peak_flops=max(r for _, r in matmul[1]), matmul=matmul, mem_bw=mem_bw, conv=conv,
+                   peak_flops=max(r for _, r in matmul[1]), matmul=matmul, mem_bw=mem_bw, weight_bw=cold, conv=conv,
                    conv_bwd=conv_bwd,
                    intra=link, inter=link, collectives=coll, collectives_shared=shared, overhead=ovh,
                    cores=cores, oversubscription=over, backend="gloo", dtype_bytes=4)
