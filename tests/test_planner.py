@@ -271,3 +271,16 @@ def test_a_cpu_pipeline_shares_the_cores_between_its_stages():
     plan = Plan(1, 1, 2, 4, 2)
     chunks = timing.costing(SMALL, plan, gpu).chunks(1.0, 2.0)
     assert timing.predict_time(SMALL, plan, gpu).makespan < 4 * sum(f + b for f, b, *_ in chunks)
+
+
+def test_the_optimizer_shares_the_machine_by_its_own_calibrated_slow_down():
+    """Every rank steps its optimizer at once. A CPU profile that measured k concurrent updates
+    (``oversubscription_mem``) slows the update by that figure for the world's ranks, not by
+    the compute's; a profile without it keeps the compute's (what it always did)."""
+    m = ModelConfig()
+    c = replace(PRESETS["cpu"], devices_per_node=4, cores=2, oversubscription={1: 1.0, 2: 1.0, 4: 2.0, 8: 4.0})
+    plan = Plan(4, 1, 1, 1, 4)
+    n = timing.stage_params(m, plan, 0)[0]
+    base = timing.predict_time(m, plan, c).step_time
+    shared = timing.predict_time(m, plan, replace(c, oversubscription_mem={1: 1.0, 2: 1.5, 4: 3.0, 8: 6.0})).step_time
+    assert shared - base == pytest.approx(n * c.overhead["param"] * (3.0 - 2.0), rel=1e-6)

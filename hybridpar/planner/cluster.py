@@ -7,8 +7,9 @@ A profile holds what the cost model needs and nothing about a layout:
   memory    elementwise bandwidth (norms, activations, residuals, the optimizer: memory-bound)
   links     alpha (latency, s) and bandwidth (bytes/s) inside a node and between nodes; a
             calibrated profile also has measured alpha/beta per collective and group size
-  overhead  fixed seconds the framework spends per compute action, per layer, per communication
-            batch and per step (Python dispatch: what dominates a tiny model on a CPU)
+  overhead  fixed seconds the framework spends per compute action, per layer (and its forward's
+            share), per communication batch and per step (Python dispatch: what dominates a
+            tiny model on a CPU)
 
 GPU numbers are public peak figures with efficiencies typical of large cuBLAS GEMMs and of
 NCCL's achievable bus bandwidth (``busbw``); they are assumptions, not measurements.
@@ -66,6 +67,10 @@ class Cluster:
     """CPU cores shared by the ranks (0: a GPU, one device per rank, no sharing)."""
     oversubscription: dict = field(default_factory=dict)
     """Calibrated: {k: slow-down of a 1-thread rank when k of them compute at once}."""
+    oversubscription_mem: dict = field(default_factory=dict)
+    """Calibrated: {k: the same for the optimizer's update, which streams parameters, gradients
+    and moments: the ranks share the memory bandwidth too, so 2 ranks on 2 cores run it at
+    half speed where their compute barely slows}; empty: as compute."""
     backend: str = "nccl"
     """gloo has no reduce-scatter: the runtime all-reduces instead (ZeRO-1, sequence parallel)."""
     dtype_bytes: int = 2
@@ -94,13 +99,14 @@ class Cluster:
         """What ``launch.set_threads`` picks: cores // local ranks, at least 1."""
         return max(1, self.cores // ranks_per_node) if self.cores else 1
 
-    def contention(self, busy_ranks: float) -> float:
-        """Slow-down of compute when more threads want to run than there are cores. The ranks
-        of a CPU share its cores: the rate per rank is the calibrated rate * min(1, cores/busy)."""
+    def contention(self, busy_ranks: float, *, memory: bool = False) -> float:
+        """Slow-down of compute when more threads want to run than there are cores (``memory``:
+        of the optimizer's memory-bound update, when calibrated). The ranks of a CPU share its
+        cores: the rate per rank is the calibrated rate * min(1, cores/busy)."""
         if not self.cores:
             return 1.0
         t = self.threads_per_rank(self.devices_per_node)
-        table = sorted(self.oversubscription.items())
+        table = sorted(((memory and self.oversubscription_mem) or self.oversubscription).items())
         if t > 1 or len(table) < 2:
             return max(1.0, busy_ranks * t / self.cores)
         # measured: beyond cores/ranks, context switches and shared caches cost extra
@@ -125,6 +131,16 @@ class Cluster:
 
     def elementwise_bw(self, threads: int = 1) -> float:
         return self.mem_bw[min(self.mem_bw, key=lambda t: abs(int(t) - threads))]
+
+    def layer_overhead(self) -> tuple[float, float]:
+        """(forward, backward) seconds of framework overhead of one transformer block, apart
+        from its FLOPs and bytes. A calibrated CPU measures the forward's share: a forward op
+        costs more than a backward one (5.7 us against 3.6 here), for the forward runs in
+        Python, module by module, recording the graph, the backward in autograd's C++ engine.
+        Otherwise the forward takes a third (the backward dispatches about twice the ops)."""
+        layer = self.overhead.get("layer", 0.0)
+        fwd = self.overhead.get("layer_fwd", layer / 3)
+        return fwd, layer - fwd
 
     def weight_time(self, nbytes: float, threads: int = 1) -> float:
         """Seconds matmuls spend, beyond their FLOPs, reading ``nbytes`` of weights from beyond
@@ -214,5 +230,6 @@ def load_profile(path: str) -> Cluster:
     d["collectives"] = {op: {int(n): ab for n, ab in by_n.items()} for op, by_n in d["collectives"].items()}
     d["collectives_shared"] = {op: {int(k): {int(n): ab for n, ab in by_n.items()} for k, by_n in by_k.items()}
                                for op, by_k in d.get("collectives_shared", {}).items()}
-    d["oversubscription"] = {int(k): v for k, v in d.get("oversubscription", {}).items()}
+    for key in ("oversubscription", "oversubscription_mem"):
+        d[key] = {int(k): v for k, v in d.get(key, {}).items()}
     return Cluster(**d)

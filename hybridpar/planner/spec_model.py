@@ -150,9 +150,9 @@ class SpecModel:
 # ---- calibration carried over from the Llama block -------------------------------------------
 
 @lru_cache(maxsize=None)
-def _reference() -> tuple[float, float]:
+def _reference() -> tuple[float, int, int]:
     """(profiled traffic bytes of the default Llama block's forward at one sequence,
-    dispatched ops of the calibration's tiny Llama block, forward + backward)."""
+    dispatched ops of the calibration's tiny Llama block's forward, of its backward)."""
     from ..models import spec_for
     m = ModelConfig()
     spec = spec_for(m)
@@ -162,7 +162,7 @@ def _reference() -> tuple[float, float]:
     tspec = spec_for(tiny)
     tb = profile_spec(tspec, example_batch(tspec, tiny), settings=("none",),
                       dp_sync=False).unit(tspec.blocks[0])
-    return block.fwd["none"].traffic.at(1), tb.fwd["none"].ops + tb.bwd["none"].ops
+    return block.fwd["none"].traffic.at(1), tb.fwd["none"].ops, tb.bwd["none"].ops
 
 
 def traffic_scale() -> float:
@@ -172,9 +172,12 @@ def traffic_scale() -> float:
     return elementwise_bytes(m, m.seq_len, 1, False, 4) / _reference()[0]
 
 
-def op_overhead(c: Cluster) -> float:
-    """Seconds of framework dispatch per op: the per-layer overhead over a block's ops."""
-    return c.overhead.get("layer", 0.0) / _reference()[1]
+def op_overhead(c: Cluster, kind: str = "fwd") -> float:
+    """Seconds of framework dispatch per op of a forward or a backward pass: the calibrated
+    block's overhead in that pass (``Cluster.layer_overhead``) over its ops there."""
+    _, ops_f, ops_b = _reference()
+    fwd, bwd = c.layer_overhead()
+    return fwd / ops_f if kind == "fwd" else bwd / ops_b
 
 
 # ---- time -----------------------------------------------------------------------------------
@@ -195,7 +198,7 @@ def pass_time(u: UnitProfile, kind: str, recompute: str, c: Cluster, b: int, *, 
               + sum(b * f / c.conv_rate(b * f, threads, backward=True) for f in ps.conv_grads if f > 0))
         ew = max(ps.traffic.at(b), 0.0) * scale * traffic_scale() / c.elementwise_bw(threads)
         cold = c.weight_time(ps.weights * scale, threads)
-        measured = mm + cold + ew + ps.ops * op_overhead(c)
+        measured = mm + cold + ew + ps.ops * op_overhead(c, kind)
     compute = measured * slow
     # the unit's compute falls between its collectives: its share per call is the gap whose
     # latency each pays (``collective_time``)

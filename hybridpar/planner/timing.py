@@ -94,8 +94,9 @@ def _chunk_costs(m: ModelConfig, plan: Plan, c: Cluster, *, layers: int, embed: 
     ew_f = elementwise_bytes(m, n, t, sp, a) / bw
     ovh = c.overhead
     # the framework's dispatch is CPU work too: it slows down with the compute
-    layer_f = (mm_f + cold + ew_f + ovh["layer"] / 3) * slow
-    layer_b = (2 * (mm_f + ew_f) + cold + 2 * ovh["layer"] / 3) * slow
+    ovh_f, ovh_b = c.layer_overhead()
+    layer_f = (mm_f + cold + ew_f + ovh_f) * slow
+    layer_b = (2 * (mm_f + ew_f) + cold + ovh_b) * slow
     act = n * d * a
 
     def tp_region(layer: float) -> float:
@@ -163,7 +164,10 @@ def _post_schedule(n: int, plan: Plan, c: Cluster, last_bwd: float,
     exposed = sync - hidden
     shard = r if plan.zero1 else 1
     per_param = c.overhead.get("param") or OPT_BYTES / c.elementwise_bw(_threads(c, plan))
-    opt = (n / shard + n) / 2 * per_param * slow  # the moments on the shard; norm/zero on all
+    # the moments on the shard, norm and zeroing on all; every rank steps at once, sharing
+    # the memory bandwidth as well as the cores (where calibrated)
+    share = c.contention(plan.world, memory=True) if c.oversubscription_mem else slow
+    opt = (n / shard + n) / 2 * per_param * share
     scalars = collective_time(c, "all-reduce", plan.world, 16, inter=c.world > c.devices_per_node)
     return exposed + gather + opt + scalars + c.overhead["step"], exposed + gather
 

@@ -11,7 +11,8 @@
               matmuls as in training (its cost: the loop's time minus the matmuls'):
               alpha + beta * bytes fitted to 5 sizes; and the latency back to back (alpha0),
               which the planner interpolates to the compute a model has between its calls
-  oversubscription  the slow-down of k concurrent 1-thread processes doing a block's work
+  oversubscription  the slow-down of k concurrent 1-thread processes doing a block's work, and
+              doing the optimizer's update (memory-bound: 2 of them on 2 cores took 2.1x here)
   overhead    the framework's fixed cost: a tiny block's forward+backward (per layer, pure
               dispatch), a tiny model's training step at 1 and 8 micro-batches (per F/B action
               and per step), and AdamW + gradient norm + zeroing per parameter
@@ -166,7 +167,8 @@ def elementwise_bw(threads: int, table: list[tuple[float, float]], overhead: dic
 
 
 def overheads() -> dict[str, float]:
-    """Fixed seconds per layer (forward + backward), per F/B action and per step, fitted to
+    """Fixed seconds per layer (forward + backward, and the forward's share as a tiny block's
+    forward alone takes), per F/B action and per step, fitted to
     t(L, M) = step + M (2 action + L layer) over training steps of a tiny model (so dispatch,
     the activation meter's and the gradient hooks are counted as the runtime pays them), and
     AdamW + gradient norm + zeroing per parameter."""
@@ -181,6 +183,7 @@ def overheads() -> dict[str, float]:
     block = Block(tiny, Rotary(tiny.head_dim, tiny.rope_theta))
     x = torch.randn(1, 8, 16, requires_grad=True)
     bare = _timeit(lambda: block(x).sum().backward(), min_s=0.2)
+    forward = _timeit(lambda: block(x).sum(), min_s=0.2)  # recording the graph, as in training
     data = tiny_dataset()
 
     t = {(L, M): _median_step(replace(tiny, n_layers=L), mb=1, microbatches=M, threads=1, data=data,
@@ -188,53 +191,81 @@ def overheads() -> dict[str, float]:
          for L in (1, 4) for M in (1, 8)}
     per_mb = {L: (t[L, 8] - t[L, 1]) / 7 for L in (1, 4)}
     layer = max(bare, (per_mb[4] - per_mb[1]) / 3)
-    params = [torch.nn.Parameter(torch.randn(2 ** 20)) for _ in range(2)]
-    for p in params:
-        p.grad = torch.randn_like(p)
-    opt = torch.optim.AdamW(params, lr=1e-3)
-
-    def update():
-        sum(torch.linalg.vector_norm(p.grad, dtype=torch.float64).item() ** 2 for p in params)
-        for p in params:
-            p.grad.mul_(0.5)
-        opt.step()
-        for p in params:
-            p.grad.zero_()
-    per_param = _timeit(update, min_s=0.2) / 2 ** 21
-    return {"layer": layer, "action": max(0.0, (per_mb[1] - layer) / 2), "comm": 0.0,
+    update, n = _optimizer_update()
+    per_param = _timeit(update, min_s=0.2) / n
+    return {"layer": layer, "layer_fwd": layer * min(max(forward / bare, 0.1), 0.9),
+            "action": max(0.0, (per_mb[1] - layer) / 2), "comm": 0.0,
             "step": max(0.0, t[1, 1] - per_mb[1]), "param": per_param}
 
 
-def _block_loop(seconds: float, start, out) -> None:
-    """Train-like work of one 1-thread rank: a default-model block forward+backward in a loop."""
+def _optimizer_update():
+    """One rank's update of the default model's parameters as the trainer runs it: the float64
+    gradient norms, scaling (clipping), AdamW as ``build_optimizer`` makes it (multi-tensor,
+    decay on matrices), zeroing. Memory-bound: it streams parameters, gradients and moments.
+    Returns (the update, the parameter count)."""
+    import torch
+
+    from ..config import ModelConfig
+    from ..models import spec_for
+    from ..parallel.parallelize import _norms64
+
+    params = [p for p in spec_for(ModelConfig()).build().parameters()]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                            lr=1e-3, foreach=True)
+
+    def update():
+        sum(n * n for n in _norms64([p.grad for p in params]))
+        torch._foreach_mul_([p.grad for p in params], 0.5)
+        opt.step()
+        for p in params:
+            p.grad.zero_()
+    return update, sum(p.numel() for p in params)
+
+
+def _block_work():
+    """Train-like compute of one rank: a default-model block's forward+backward."""
     import torch
 
     from ..config import ModelConfig
     from ..models.transformer import Block, Rotary
 
-    torch.set_num_threads(1)
     m = ModelConfig()
     block = Block(m, Rotary(m.head_dim, m.rope_theta))
     x = torch.randn(4, m.seq_len, m.d_model, requires_grad=True)
-    block(x).sum().backward()
+    return lambda: block(x).sum().backward()
+
+
+def _loop(make, seconds: float, start, out) -> None:
+    """One 1-thread process running ``make()``'s work in a loop, from ``start`` on."""
+    import torch
+
+    torch.set_num_threads(1)
+    work = make()
+    work = work[0] if isinstance(work, tuple) else work
+    work()
     start.wait()
     n, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
-        block(x).sum().backward()
+        work()
         n += 1
     out.put((time.perf_counter() - t0) / n)
 
 
-def oversubscription(ks: tuple[int, ...] = (1, 2, 4, 8), seconds: float = 3.0) -> dict[int, float]:
-    """Slow-down of each of k concurrent 1-thread processes doing a block's work, against one
-    alone: what k ranks sharing the cores really cost (ideal: max(1, k / cores))."""
+def oversubscription(ks: tuple[int, ...] = (1, 2, 4, 8), seconds: float = 3.0,
+                     work=_block_work) -> dict[int, float]:
+    """Slow-down of each of k concurrent 1-thread processes doing ``work`` (a block's compute,
+    or the optimizer's memory-bound update), against one alone: what k ranks sharing the cores
+    (and the memory bandwidth) really cost (ideal for compute: max(1, k / cores))."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     per_iter = {}
     for k in ks:
         start, out = ctx.Event(), ctx.Queue()
-        procs = [ctx.Process(target=_block_loop, args=(seconds, start, out)) for _ in range(k)]
+        procs = [ctx.Process(target=_loop, args=(work, seconds, start, out)) for _ in range(k)]
         for p in procs:
             p.start()
         time.sleep(2.0 + 0.5 * k)  # let every process import torch and warm up
@@ -340,6 +371,8 @@ def calibrate(ranks: tuple[int, ...] = (2, 4, 8), *, log=print) -> Cluster:
     log(f"elementwise: {', '.join(f'{v / 1e9:.1f} GB/s on {t} threads' for t, v in mem_bw.items())}")
     over = oversubscription(tuple(sorted({1, *ranks})))
     log("oversubscription: " + ", ".join(f"{k} ranks x{v:.2f}" for k, v in over.items()))
+    over_mem = oversubscription(tuple(sorted({1, *ranks})), work=_optimizer_update)
+    log("optimizer steps at once: " + ", ".join(f"{k} ranks x{v:.2f}" for k, v in over_mem.items()))
     log("overhead: " + ", ".join(f"{k} {v * 1e6:.2f} us" for k, v in ovh.items()))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     sizes = [4 << 10, 64 << 10, 512 << 10, 2 << 20, 8 << 20]
@@ -360,7 +393,8 @@ def calibrate(ranks: tuple[int, ...] = (2, 4, 8), *, log=print) -> Cluster:
                    peak_flops=max(r for _, r in matmul[1]), matmul=matmul, mem_bw=mem_bw, weight_bw=cold, conv=conv,
                    conv_bwd=conv_bwd,
                    intra=link, inter=link, collectives=coll, collectives_shared=shared, overhead=ovh,
-                   cores=cores, oversubscription=over, backend="gloo", dtype_bytes=4)
+                   cores=cores, oversubscription=over, oversubscription_mem=over_mem, backend="gloo",
+                   dtype_bytes=4)
 
 
 def main(argv: list[str]) -> int:
