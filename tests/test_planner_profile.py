@@ -271,6 +271,22 @@ def test_plan_ranks_layouts_of_any_model(argv, capsys):
     assert "hybridpar train" in command and (argv[0] in command or argv[0].replace("=", " ") in command)
 
 
+def test_a_vision_model_is_planned_as_it_is_trained_data_parallel_on_large_micro_batches(capsys):
+    """ViT-B/16 (86 M parameters) on a node of 8 A100s, 1024 images a step: trained data
+    parallel with the whole per-device batch in one micro-batch (ViT and DeiT were), not split
+    into accumulation steps whose gradient all-reduce nothing hides. ``--max-mb`` is unlimited
+    by default for models other than the Llama (whose samples are long sequences)."""
+    from hybridpar.cli.plan import plan_main
+
+    assert plan_main(["--model.name=vit", "--cluster", "a100-80g", "--nodes", "1", "--global-batch",
+                      "1024", "--model.n_layers=12", "--model.d_model=768", "--model.n_heads=12",
+                      "--model.n_kv_heads=12", "--model.d_ff=3072", "--model.image_size=224",
+                      "--model.patch_size=16", "--model.channels=3", "--model.n_classes=1000",
+                      "--top", "1"]) == 0
+    best = next(line for line in capsys.readouterr().out.splitlines() if line[:3].strip() == "1")
+    assert best.split()[1:6] == ["8", "1", "1", "128x1", "1f1b"], best
+
+
 def test_plan_command_gives_the_split_it_predicted(capsys):
     """A pipelined best plan prints its stage times and passes its split to the run."""
     from hybridpar.cli.plan import plan_main

@@ -41,7 +41,10 @@ def _parser() -> argparse.ArgumentParser:
     for axis in ("dp", "tp", "pp"):
         p.add_argument(f"--{axis}", type=int, help=f"only layouts with this {axis} degree")
     p.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved"), help="only this schedule")
-    p.add_argument("--max-mb", type=int, default=8, help="largest micro-batch size tried")
+    p.add_argument("--max-mb", type=int, default=None,
+                   help="largest micro-batch size tried (default: 8 sequences for the Llama; for "
+                        "other models every size, memory deciding: a vision model's samples are "
+                        "small, and it trains best on large micro-batches without accumulation)")
     p.add_argument("--measure-units", action="store_true",
                    help="time each unit's forward and backward on this machine instead of modelling "
                         "its compute from FLOPs and bytes (a model other than the Llama, planned for "
@@ -150,7 +153,10 @@ def plan_main(argv: list[str], run_train=None) -> int:
         raise ConfigError(f"--top={args.top} must be at least 1")
     fixed = {k: v for k, v in (("microbatches", args.microbatches), ("schedule", args.schedule),
                                ("dp", args.dp), ("tp", args.tp), ("pp", args.pp)) if v}
-    rows, n = rank(m, c, gb, top=args.top, fixed=fixed, max_mb=args.max_mb)
+    max_mb = args.max_mb if args.max_mb is not None else (8 if isinstance(m, ModelConfig) else gb)
+    if max_mb < 1:
+        raise ConfigError(f"--max-mb={max_mb} must be at least 1")
+    rows, n = rank(m, c, gb, top=args.top, fixed=fixed, max_mb=max_mb)
     if isinstance(m, ModelConfig):
         what = (f"model: {m.n_layers} layers, d_model {m.d_model}, heads {m.n_heads}/{m.n_kv_heads} kv, "
                 f"d_ff {m.d_ff}, vocab {m.vocab_size}, seq {m.seq_len}")
