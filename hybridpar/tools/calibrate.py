@@ -12,7 +12,7 @@
               alpha + beta * bytes fitted to 5 sizes; and the latency back to back (alpha0),
               which the planner interpolates to the compute a model has between its calls
   oversubscription  the slow-down of k concurrent 1-thread processes doing a block's work, and
-              doing the optimizer's update (memory-bound: 2 of them on 2 cores took 2.1x here)
+              doing the trainer's optimizer update (which shares the memory bandwidth too)
   overhead    the framework's fixed cost: a tiny block's forward+backward (per layer, pure
               dispatch), a tiny model's training step at 1 and 8 micro-batches (per F/B action
               and per step), and AdamW + gradient norm + zeroing per parameter
