@@ -324,6 +324,24 @@ def unit_key(module, xs, last: bool) -> tuple:
             tuple((tuple(x.shape), x.dtype) for x in xs), last)
 
 
+def _warm_up(model, spec: ModelSpec, xs: tuple) -> None:
+    """Once through, without gradients: what the model caches on first use (RoPE's tables)
+    exists before any unit is profiled. A unit like one already run (``unit_key``) passes on
+    that one's output shapes without running: a deep model of identical blocks costs a few
+    unit forwards here, not one per block (ViT-H/14's plan: 32 blocks, 7 tp x sp profiles of 6
+    runs each)."""
+    from ..parallel.parallelize import Stage
+
+    outs: dict = {}
+    with torch.no_grad():
+        for i, name in enumerate(spec.units):
+            key = unit_key(model.get_submodule(name), xs, i == len(spec.units) - 1)
+            if key not in outs:
+                out = as_tuple(Stage(model, [name], device_type="meta")(*xs))
+                outs[key] = [(tuple(o.shape), o.dtype) for o in out]
+            xs = tuple(torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in outs[key])
+
+
 def _leaf(t: torch.Tensor, grad: bool) -> torch.Tensor:
     """A unit's input: floating ones need a gradient, but not the batch's (the first unit's)."""
     x = torch.empty(t.shape, dtype=t.dtype, device="meta")
@@ -354,8 +372,7 @@ def _run(spec: ModelSpec, inputs, targets, *, tp: int, sp: bool, recompute: str,
     apply_recompute(model, spec, recompute)
     vocab_parallel = any("vocab_head" in style_of(dict(spec.tp_plan), u) for u in spec.head)
     xs, results, seen = as_tuple(inputs), [], {}
-    with torch.no_grad():  # once through: what the model caches on first use exists before
-        Stage(model, list(spec.units), device_type="meta")(*xs)  # any unit is profiled
+    _warm_up(model, spec, xs)
     for i, name in enumerate(spec.units):
         module = model.get_submodule(name)
         params = list(module.parameters())
