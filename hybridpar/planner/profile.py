@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 import torch
 
@@ -124,7 +125,11 @@ class ModelProfile:
     sequence_parallel: bool = False
 
     def unit(self, name: str) -> UnitProfile:
-        return next(u for u in self.units if u.name == name)
+        return self._by_name[name]
+
+    @cached_property
+    def _by_name(self) -> dict:
+        return {u.name: u for u in self.units}  # the search asks hundreds of thousands of times
 
 
 class _Counter(torch.utils._python_dispatch.TorchDispatchMode):
