@@ -140,8 +140,8 @@ def _chunk_costs(m: ModelConfig, plan: Plan, c: Cluster, *, layers: int, embed: 
         if t > 1:  # vocab-parallel CE: 2 all-reduces of n values; backward: copy_to_tp's
             ce = (collective_time(c, "all-reduce", t, 4 * n, world=w)
                   + collective_time(c, "all-reduce", t, 8 * n, world=w))
-            fwd, bwd = fwd + ce, bwd + tp1 / 2
-            comm_f, comm_b = comm_f + ce, comm_b + tp1 / 2
+            fwd, bwd = fwd + ce, bwd + tp1_b / 2
+            comm_f, comm_b = comm_f + ce, comm_b + tp1_b / 2
     return fwd + ovh["action"] * slow, bwd + ovh["action"] * slow, comm_f, comm_b
 
 
