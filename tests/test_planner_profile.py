@@ -4,8 +4,8 @@ pipeline split, and ``hybridpar plan`` for the ViT, the ResNet and a user's spec
 from __future__ import annotations
 
 import itertools
-from dataclasses import replace
 import random
+from dataclasses import replace
 
 import pytest
 import torch

@@ -131,7 +131,7 @@ class Cluster:
         return _rate(table or self.matmul, flops, threads)
 
     def elementwise_bw(self, threads: int = 1) -> float:
-        return self.mem_bw[min(self.mem_bw, key=lambda t: abs(int(t) - threads))]
+        return _nearest(self.mem_bw, threads)
 
     def layer_overhead(self) -> tuple[float, float]:
         """(forward, backward) seconds of framework overhead of one transformer block, apart
@@ -150,13 +150,18 @@ class Cluster:
         product ran at 96 GFLOP/s with its weight hot and 79 with it cold here)."""
         if not self.weight_bw or nbytes <= 0:
             return 0.0
-        return nbytes / self.weight_bw[min(self.weight_bw, key=lambda t: abs(int(t) - threads))]
+        return nbytes / _nearest(self.weight_bw, threads)
+
+
+def _nearest(by_threads: dict, threads: int):
+    """The entry of a {threads per rank: value} calibration measured nearest ``threads``."""
+    return by_threads[min(by_threads, key=lambda t: abs(int(t) - threads))]
 
 
 def _rate(tables: dict, flops: float, threads: int) -> float:
     """A {threads: [(flops, FLOP/s)]} table at ``flops``, interpolated in log(flops); below the
     smallest entry the time stays that entry's (a fixed launch cost)."""
-    table = tables[min(tables, key=lambda t: abs(int(t) - threads))]
+    table = _nearest(tables, threads)
     xs = [math.log(f) for f, _ in table]
     x = math.log(max(flops, 1.0))
     i = bisect.bisect_left(xs, x)

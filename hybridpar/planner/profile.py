@@ -342,9 +342,17 @@ def _warm_up(model, spec: ModelSpec, xs: tuple) -> None:
         for i, name in enumerate(spec.units):
             key = unit_key(model.get_submodule(name), xs, i == len(spec.units) - 1)
             if key not in outs:
-                out = as_tuple(Stage(model, [name], device_type="meta")(*xs))
-                outs[key] = [(tuple(o.shape), o.dtype) for o in out]
-            xs = tuple(torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in outs[key])
+                outs[key] = _shapes(as_tuple(Stage(model, [name], device_type="meta")(*xs)))
+            xs = _empties(outs[key])
+
+
+def _shapes(tensors) -> list[tuple]:
+    return [(tuple(t.shape), t.dtype) for t in tensors]
+
+
+def _empties(shapes: list[tuple]) -> tuple:
+    """Meta tensors of these (shape, dtype): a unit's output, passed on without running it."""
+    return tuple(torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in shapes)
 
 
 def _leaf(t: torch.Tensor, grad: bool) -> torch.Tensor:
@@ -386,7 +394,7 @@ def _run(spec: ModelSpec, inputs, targets, *, tp: int, sp: bool, recompute: str,
         if key in seen:
             same = results[seen[key]]
             results.append({**same, "name": name, "same_as": seen[key]})
-            xs = tuple(torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in same["outs"])
+            xs = _empties(same["outs"])
             continue
         seen[key] = i
         leaves = tuple(_leaf(x, i > 0) for x in xs)
@@ -428,7 +436,7 @@ def _run(spec: ModelSpec, inputs, targets, *, tp: int, sp: bool, recompute: str,
                         "consts": consts,
                         "in": kept_in, "out": kept_out,
                         "out_bytes": sum(o.numel() * o.element_size() for o in outs),
-                        "outs": [(tuple(o.shape), o.dtype) for o in outs]})
+                        "outs": _shapes(outs)})
         xs = tuple(o.detach() for o in outs)
     return results
 

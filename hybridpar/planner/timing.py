@@ -85,12 +85,12 @@ def _chunk_costs(m: ModelConfig, plan: Plan, c: Cluster, *, layers: int, embed: 
     def mm(flops: float) -> float:
         return flops / c.flop_rate(flops, threads)
 
-    core = next(x for name, _, x in matmuls(m, n, t) if name == "attention")
-    mm_f = sum(mm(x) for _, _, x in matmuls(m, n, t))
+    gemms = matmuls(m, n, t)
+    core = next(x for name, _, x in gemms if name == "attention")
+    mm_f = sum(mm(x) for _, _, x in gemms)
     # the weights read cold, once a pass: wo and w2 (``fused_linear`` builds q/k/v's and
     # w1/w3's in the pass, hot; its backward builds them again), as ``Pass.weights`` counts
-    cold = c.weight_time(sum(x for name, x, _ in matmuls(m, n, t) if name in ("wo", "w2"))
-                         / (2 * n) * a, threads)
+    cold = c.weight_time(sum(x for name, x, _ in gemms if name in ("wo", "w2")) / (2 * n) * a, threads)
     ew_f = elementwise_bytes(m, n, t, sp, a) / bw
     ovh = c.overhead
     # the framework's dispatch is CPU work too: it slows down with the compute

@@ -225,6 +225,11 @@ def _optimizer_update():
     return update, sum(p.numel() for p in params)
 
 
+def _optimizer_work():
+    """The optimizer's update alone, as ``oversubscription``'s work."""
+    return _optimizer_update()[0]
+
+
 def _block_work():
     """Train-like compute of one rank: a default-model block's forward+backward."""
     import torch
@@ -244,7 +249,6 @@ def _loop(make, seconds: float, start, out) -> None:
 
     torch.set_num_threads(1)
     work = make()
-    work = work[0] if isinstance(work, tuple) else work
     work()
     start.wait()
     n, t0 = 0, time.perf_counter()
@@ -371,7 +375,7 @@ def calibrate(ranks: tuple[int, ...] = (2, 4, 8), *, log=print) -> Cluster:
     log(f"elementwise: {', '.join(f'{v / 1e9:.1f} GB/s on {t} threads' for t, v in mem_bw.items())}")
     over = oversubscription(tuple(sorted({1, *ranks})))
     log("oversubscription: " + ", ".join(f"{k} ranks x{v:.2f}" for k, v in over.items()))
-    over_mem = oversubscription(tuple(sorted({1, *ranks})), work=_optimizer_update)
+    over_mem = oversubscription(tuple(sorted({1, *ranks})), work=_optimizer_work)
     log("optimizer steps at once: " + ", ".join(f"{k} ranks x{v:.2f}" for k, v in over_mem.items()))
     log("overhead: " + ", ".join(f"{k} {v * 1e6:.2f} us" for k, v in ovh.items()))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
