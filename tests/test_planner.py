@@ -233,6 +233,23 @@ def test_alpha_beta_fit_recovers_a_line():
     assert alpha == pytest.approx(2e-4, rel=1e-6) and beta == pytest.approx(1e-9, rel=1e-6)
 
 
+def test_calibration_takes_the_timings_it_compares_in_turns():
+    """A difference of two timings (cold - hot weights, backward - forward) or a ratio (k ranks
+    against one) must not carry the machine's drift between them: their repetitions alternate."""
+    from hybridpar.tools.calibrate import _timeit_many
+
+    calls = []
+    a, b = _timeit_many([lambda: calls.append("a"), lambda: calls.append("b")], min_s=0.0, reps=3)
+    assert calls == ["a", "b"] * 4 and a > 0 and b > 0  # a warm-up call each, then in turns
+
+
+def test_oversubscription_runs_one_pool_of_processes_in_turns():
+    from hybridpar.tools.calibrate import _optimizer_work, oversubscription
+
+    slow = oversubscription((1, 2), seconds=0.05, rounds=2, work=_optimizer_work)
+    assert slow[1] == 1.0 and 0.3 < slow[2] < 10
+
+
 def test_dp_overlap_needs_an_idle_core():
     """The dp buckets launched during the last backward hide behind it on a GPU (its NCCL
     kernels run beside the compute); on a CPU whose cores the ranks fill, the reduction runs on

@@ -35,18 +35,28 @@ from ..planner.cluster import Cluster, Link, save_profile
 def _timeit(fn, min_s: float = 0.03, reps: int = 5) -> float:
     """Median over ``reps`` of the mean seconds per call over >= ``min_s``: the typical time,
     as a training step's median is (a best-of would predict the luckiest step)."""
-    fn()
-    times = []
+    return _timeit_many([fn], min_s, reps)[0]
+
+
+def _timeit_many(fns, min_s: float = 0.03, reps: int = 5) -> list[float]:
+    """``_timeit`` of each of ``fns``, their repetitions interleaved: this machine's speed
+    drifts by tens of percent from minute to minute, and a difference or ratio of two timings
+    taken one after the other (cold - hot, backward - forward) carries the drift between them;
+    taken in turns, both see the same machine."""
+    for fn in fns:
+        fn()
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(reps):
-        n, t0 = 0, time.perf_counter()
-        while True:
-            fn()
-            n += 1
-            dt = time.perf_counter() - t0
-            if dt >= min_s:
-                break
-        times.append(dt / n)
-    return statistics.median(times)
+        for fn, out in zip(fns, times):
+            n, t0 = 0, time.perf_counter()
+            while True:
+                fn()
+                n += 1
+                dt = time.perf_counter() - t0
+                if dt >= min_s:
+                    break
+            out.append(dt / n)
+    return [statistics.median(t) for t in times]
 
 
 def matmul_table(threads: int) -> list[tuple[float, float]]:
@@ -85,9 +95,8 @@ def weight_bw(threads: int, tokens: int = 64, rotate: int = 64 << 20) -> float:
         ws = [torch.randn(k, j) for _ in range(max(2, rotate // (4 * k * j)))]
         x, gy = torch.randn(tokens, k), torch.randn(tokens, j)
         for product in (lambda w: x @ w, lambda w: gy @ w.T):
-            hot = _timeit(lambda: product(ws[0]))
             turn = iter(range(1 << 62))
-            cold = _timeit(lambda: product(ws[next(turn) % len(ws)]))
+            hot, cold = _timeit_many([lambda: product(ws[0]), lambda: product(ws[next(turn) % len(ws)])])
             rates.append(4 * k * j / max(cold - hot, 1e-9))
     return min(statistics.median(rates), 1e13)
 
@@ -110,8 +119,9 @@ def conv_table(threads: int) -> tuple[list[tuple[float, float]], list[tuple[floa
         w = torch.randn(c, c, 3, 3, requires_grad=True)
         g = torch.randn(8, c, h, h)
         flops = 2.0 * 8 * c * c * 9 * h * h
-        t_f = _timeit(lambda: F.conv2d(x, w, padding=1))
-        t_b = _timeit(lambda: torch.autograd.grad(F.conv2d(x, w, padding=1), (x, w), g)) - t_f
+        t_f, t_fb = _timeit_many([lambda: F.conv2d(x, w, padding=1),
+                                  lambda: torch.autograd.grad(F.conv2d(x, w, padding=1), (x, w), g)])
+        t_b = t_fb - t_f
         for rows, f, t in ((fwd, flops, t_f), (bwd, 2 * flops, t_b)):
             if t > 0:
                 rows[f] = max(rows.get(f, 0.0), f / t)
@@ -121,15 +131,29 @@ def conv_table(threads: int) -> tuple[list[tuple[float, float]], list[tuple[floa
 def _median_step(model, *, mb: int, microbatches: int, threads: int, data, steps: int, warmup: int) -> float:
     """Median seconds of a training step after ``warmup`` of ``steps``, in one process, through
     the ``Trainer`` (dispatch, hooks, loss and optimizer as the runtime pays them)."""
+    return _median_steps([(model, mb, microbatches)], threads=threads, data=data, steps=steps,
+                         warmup=warmup)[0]
+
+
+def _median_steps(runs, *, threads: int, data, steps: int, warmup: int) -> list[float]:
+    """``_median_step`` of each (model, micro-batch size, micro-batches) of ``runs``, their steps
+    taken in turns (one of each, then again) so that differences between them do not carry the
+    machine's drift (``_timeit_many``)."""
     from ..config import Config, ParallelConfig, TrainConfig
     from ..parallel.mesh import single_mesh
     from ..engine.train import Trainer
 
-    cfg = Config(model=model, parallel=ParallelConfig(dp=1, microbatches=microbatches),
-                 train=TrainConfig(global_batch=mb * microbatches, steps=100, eval_every=0,
-                                   progress=False, threads_per_rank=threads))
-    trainer = Trainer(cfg, single_mesh(), dataset=data)
-    return statistics.median([trainer.train_step()["step_time_s"] for _ in range(steps)][warmup:])
+    trainers = [Trainer(Config(model=model, parallel=ParallelConfig(dp=1, microbatches=microbatches),
+                               train=TrainConfig(global_batch=mb * microbatches, steps=100, eval_every=0,
+                                                 progress=False, threads_per_rank=threads)),
+                        single_mesh(), dataset=data) for model, mb, microbatches in runs]
+    times: list[list[float]] = [[] for _ in runs]
+    for i in range(steps):
+        for trainer, out in zip(trainers, times):
+            t = trainer.train_step()["step_time_s"]
+            if i >= warmup:
+                out.append(t)
+    return [statistics.median(t) for t in times]
 
 
 def elementwise_bw(threads: int, table: list[tuple[float, float]], overhead: dict,
@@ -182,13 +206,11 @@ def overheads() -> dict[str, float]:
     tiny = ModelConfig(n_layers=1, d_model=16, n_heads=2, n_kv_heads=1, d_ff=32, seq_len=8)
     block = Block(tiny, Rotary(tiny.head_dim, tiny.rope_theta))
     x = torch.randn(1, 8, 16, requires_grad=True)
-    bare = _timeit(lambda: block(x).sum().backward(), min_s=0.2)
-    forward = _timeit(lambda: block(x).sum(), min_s=0.2)  # recording the graph, as in training
-    data = tiny_dataset()
-
-    t = {(L, M): _median_step(replace(tiny, n_layers=L), mb=1, microbatches=M, threads=1, data=data,
-                              steps=25, warmup=5)
-         for L in (1, 4) for M in (1, 8)}
+    # the forward records the graph, as in training
+    bare, forward = _timeit_many([lambda: block(x).sum().backward(), lambda: block(x).sum()], min_s=0.2)
+    runs = [(L, M) for L in (1, 4) for M in (1, 8)]
+    t = dict(zip(runs, _median_steps([(replace(tiny, n_layers=L), 1, M) for L, M in runs], threads=1,
+                                     data=tiny_dataset(), steps=25, warmup=5)))
     per_mb = {L: (t[L, 8] - t[L, 1]) / 7 for L in (1, 4)}
     layer = max(bare, (per_mb[4] - per_mb[1]) / 3)
     update, n = _optimizer_update()
@@ -243,42 +265,61 @@ def _block_work():
     return lambda: block(x).sum().backward()
 
 
-def _loop(make, seconds: float, start, out) -> None:
-    """One 1-thread process running ``make()``'s work in a loop, from ``start`` on."""
+def _loop(make, inbox, out) -> None:
+    """One 1-thread process doing ``make()``'s work: for each (start, seconds) from ``inbox``,
+    in a loop from ``start`` (``time.monotonic``, one clock for all processes) for ``seconds``,
+    then the seconds per iteration to ``out``; None ends it."""
     import torch
 
     torch.set_num_threads(1)
     work = make()
     work()
-    start.wait()
-    n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        work()
-        n += 1
-    out.put((time.perf_counter() - t0) / n)
+    out.put(None)  # ready
+    while (job := inbox.get()) is not None:
+        start, seconds = job
+        time.sleep(max(0.0, start - time.monotonic()))
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            work()
+            n += 1
+        out.put((time.perf_counter() - t0) / n)
 
 
-def oversubscription(ks: tuple[int, ...] = (1, 2, 4, 8), seconds: float = 3.0,
+def oversubscription(ks: tuple[int, ...] = (1, 2, 4, 8), seconds: float = 1.0, rounds: int = 3,
                      work=_block_work) -> dict[int, float]:
     """Slow-down of each of k concurrent 1-thread processes doing ``work`` (a block's compute,
     or the optimizer's memory-bound update), against one alone: what k ranks sharing the cores
-    (and the memory bandwidth) really cost (ideal for compute: max(1, k / cores))."""
+    (and the memory bandwidth) really cost (ideal for compute: max(1, k / cores)). The k-process
+    runs and the one alone are taken in turns, ``rounds`` times, by processes kept alive
+    between them; the median of each round's ratio (as ``_timeit_many``, so the machine's
+    drift cancels)."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    per_iter = {}
-    for k in ks:
-        start, out = ctx.Event(), ctx.Queue()
-        procs = [ctx.Process(target=_loop, args=(work, seconds, start, out)) for _ in range(k)]
+    out = ctx.Queue()
+    inboxes = [ctx.Queue() for _ in range(max(ks))]
+    procs = [ctx.Process(target=_loop, args=(work, q, out), daemon=True) for q in inboxes]
+    for p in procs:
+        p.start()
+    try:
+        for _ in procs:
+            out.get(timeout=600)  # every process has imported torch and warmed up
+        ratios: dict[int, list[float]] = {k: [] for k in ks}
+        for _ in range(rounds):
+            per_iter = {}
+            for k in ks:
+                start = time.monotonic() + 0.05
+                for q in inboxes[:k]:
+                    q.put((start, seconds))
+                per_iter[k] = statistics.mean(out.get(timeout=600) for _ in range(k))
+            for k in ks:
+                ratios[k].append(per_iter[k] / per_iter[ks[0]])
+    finally:
+        for q in inboxes:
+            q.put(None)
         for p in procs:
-            p.start()
-        time.sleep(2.0 + 0.5 * k)  # let every process import torch and warm up
-        start.set()
-        times = [out.get() for _ in procs]
-        for p in procs:
-            p.join()
-        per_iter[k] = statistics.mean(times)
-    return {k: per_iter[k] / per_iter[ks[0]] for k in ks}
+            p.join(timeout=30)
+    return {k: statistics.median(r) for k, r in ratios.items()}
 
 
 def _fit(points: list[tuple[float, float]]) -> list[float]:
