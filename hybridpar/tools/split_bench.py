@@ -1,6 +1,6 @@
 """Benchmark (not a test): the automatic pipeline split against the split by count.
 
-    python -m hybridpar.tools.split_bench [--profile PROFILE.json] [--pps 2 4] [--steps 8]
+    python -m hybridpar.tools.split_bench [--profile PROFILE.json] [--pps 2 4] [--measure-units]
 
 Trains the ResNet (whose blocks differ in cost: full-resolution blocks move more bytes per
 FLOP than the later, narrower-in-space ones, and a transition block adds a projection) at
@@ -8,8 +8,9 @@ dp=1, pp=2 and pp=4, 1F1B, once with ``pp_split`` by count and once with the spl
 chooses, alternating the two over ``--rounds``. Prints per layout: the blocks per stage, the
 predicted forward+backward of one micro-batch on each stage, the measured one (the stage's
 forward and backward actions summed over the step, over the micro-batches; median of the
-steps after the warm-up), the error of the slowest stage's prediction, and the measured step
-time with its ratio to the split by count measured in the same run.
+steps after the warm-up), the error of the slowest stage's prediction, the slowest stage's
+range over the rounds (the machine's noise, against which to read the error), and the measured
+step time with its ratio to the split by count measured in the same run.
 """
 from __future__ import annotations
 
@@ -73,6 +74,9 @@ def main(argv=None) -> int:
     ap.add_argument("--global-batch", type=int, default=64)
     ap.add_argument("--image-size", type=int, default=16, help="synthetic images of this size")
     ap.add_argument("--n-layers", type=int, default=8, help="ResNet blocks")
+    ap.add_argument("--measure-units", action="store_true",
+                    help="predict from each unit timed on this machine (as `plan --measure-units`), "
+                         "not from the profile's FLOP and byte model")
     a = ap.parse_args(argv)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     model = ModelConfig(name="resnet", n_layers=a.n_layers, image_size=a.image_size, channels=3)
@@ -82,12 +86,12 @@ def main(argv=None) -> int:
           f"{os.cpu_count()} cores; medians of steps {a.warmup + 1}..{a.steps} over {a.rounds} rounds\n",
           flush=True)
     head = (f"{'pp':>2} {'split':>8} {'blocks':>10} {'pred stage ms':>28} {'meas stage ms':>28} "
-            f"{'slowest err':>11} {'step s':>7} {'vs count':>8}")
+            f"{'slowest err':>11} {'rounds ms':>11} {'step s':>7} {'vs count':>8}")
     rows = []
     for pp in a.pps:
         c = replace(base, nodes=1, devices_per_node=pp)
         plan = Plan(1, 1, pp, a.microbatches, a.global_batch // a.microbatches)
-        spec_model = SpecModel(model)
+        spec_model = SpecModel(model, measure=a.measure_units)
         splits = {"count": tuple(pp_split(a.n_layers, pp)), "auto": split_for(spec_model, plan, c, "auto")}
         got: dict[str, list] = {k: [] for k in splits}
         for _ in range(a.rounds):
@@ -105,14 +109,16 @@ def main(argv=None) -> int:
             meas = [statistics.median(t for r in got[name] for t in r["stages"][s][a.warmup:])
                     for s in range(pp)]
             step = statistics.median(t for r in got[name] for t in r["step_times"][a.warmup:])
-            rows.append((pp, name, split, pred, meas, step))
+            rounds = [max(statistics.median(r["stages"][s][a.warmup:]) for s in range(pp)) for r in got[name]]
+            rows.append((pp, name, split, pred, meas, step, rounds))
     print(head + "\n" + "-" * len(head))
-    count_step = {pp: step for pp, name, _, _, _, step in rows if name == "count"}
-    for pp, name, split, pred, meas, step in rows:
+    count_step = {pp: step for pp, name, _, _, _, step, _ in rows if name == "count"}
+    for pp, name, split, pred, meas, step, rounds in rows:
         err = (max(pred) - max(meas)) / max(meas)
         print(f"{pp:2d} {name:>8} {','.join(map(str, split)):>10} "
               f"{' '.join(f'{1e3 * x:6.2f}' for x in pred):>28} {' '.join(f'{1e3 * x:6.2f}' for x in meas):>28} "
-              f"{err:+11.1%} {step:7.3f} {count_step[pp] / step:7.2f}x")
+              f"{err:+11.1%} {1e3 * min(rounds):5.1f}-{1e3 * max(rounds):<5.1f} {step:7.3f} "
+              f"{count_step[pp] / step:7.2f}x")
     return 0
 
 
