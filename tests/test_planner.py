@@ -243,6 +243,19 @@ def test_calibration_takes_the_timings_it_compares_in_turns():
     assert calls == ["a", "b"] * 4 and a > 0 and b > 0  # a warm-up call each, then in turns
 
 
+def test_a_profile_keeps_the_speed_it_was_measured_at(tmp_path):
+    """The benches print the machine's speed against the profile's, so that a prediction's
+    error can be read against the drift of the machine it was measured on."""
+    from hybridpar.tools.calibrate import speed_drift
+
+    path = str(tmp_path / "p.json")
+    save_profile(replace(PRESETS["cpu"], probe_s=0.040), path)
+    c = load_profile(path)
+    assert c.probe_s == 0.040
+    assert "50.0 ms now, 40.0 ms at calibration (+25%)" in speed_drift(c, probe=0.050)
+    assert "no reference timing" in speed_drift(PRESETS["cpu"], probe=0.050)
+
+
 def test_oversubscription_runs_one_pool_of_processes_in_turns():
     from hybridpar.tools.calibrate import _optimizer_work, oversubscription
 

@@ -72,6 +72,11 @@ class Cluster:
     streams parameters, gradients and moments, so the ranks share the memory bandwidth as well
     as the cores (here 1.33x, 2.46x, 4.93x at 2, 4, 8 ranks against 1.11x, 2.54x, 4.56x for a
     block's compute)}; empty: as compute."""
+    probe_s: float = 0.0
+    """Calibrated on a CPU: seconds of a reference work (a default-model block's forward and
+    backward on 1 thread) while the profile was made. This machine's speed drifts by tens of
+    percent between minutes; re-timing it beside a measurement (``calibrate.speed_drift``)
+    tells that drift from the cost model's error. 0: not recorded."""
     backend: str = "nccl"
     """gloo has no reduce-scatter: the runtime all-reduces instead (ZeRO-1, sequence parallel)."""
     dtype_bytes: int = 2

@@ -13,6 +13,8 @@
               which the planner interpolates to the compute a model has between its calls
   oversubscription  the slow-down of k concurrent 1-thread processes doing a block's work, and
               doing the trainer's optimizer update (which shares the memory bandwidth too)
+  probe       a reference block's time at the start and end, to compare the machine's speed
+              later (``speed_drift``) with the speed the profile was measured at
   overhead    the framework's fixed cost: a tiny block's forward+backward (per layer, pure
               dispatch), a tiny model's training step at 1 and 8 micro-batches (per F/B action
               and per step), and AdamW + gradient norm + zeroing per parameter
@@ -265,6 +267,28 @@ def _block_work():
     return lambda: block(x).sum().backward()
 
 
+def speed_probe() -> float:
+    """Seconds of the reference work (``_block_work``) on 1 thread: ``Cluster.probe_s``."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _timeit(_block_work(), min_s=0.2)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def speed_drift(c: Cluster, probe: float | None = None) -> str:
+    """One line comparing this machine's speed now (``probe``, else timed) with the profile's:
+    a prediction made from a profile is off by at least this much, whatever the model."""
+    if not c.probe_s:
+        return "machine speed: the profile has no reference timing (calibrate again to record one)"
+    now = speed_probe() if probe is None else probe
+    return (f"machine speed: reference block {1e3 * now:.1f} ms now, {1e3 * c.probe_s:.1f} ms at "
+            f"calibration ({now / c.probe_s - 1:+.0%})")
+
+
 def _loop(make, inbox, out) -> None:
     """One 1-thread process doing ``make()``'s work: for each (start, seconds) from ``inbox``,
     in a loop from ``start`` (``time.monotonic``, one clock for all processes) for ``seconds``,
@@ -401,6 +425,7 @@ def calibrate(ranks: tuple[int, ...] = (2, 4, 8), *, log=print) -> Cluster:
     cores = os.cpu_count() or 1
     thread_counts = sorted({1, cores})
     t0 = time.time()
+    probes = [speed_probe()]
     matmul = {t: matmul_table(t) for t in thread_counts}
     for t in thread_counts:  # more threads are never slower: a lower figure is another
         matmul[t] = [(f, max(r, r1)) for (f, r), (_, r1) in zip(matmul[t], matmul[1])]  # job's noise
@@ -431,6 +456,8 @@ def calibrate(ranks: tuple[int, ...] = (2, 4, 8), *, log=print) -> Cluster:
             log(f"collectives in groups of {n} of {k} ranks: " + ", ".join(
                 f"{op} {ab[0] * 1e6:.0f} us ({ab[2] * 1e6:.0f} back to back) + {1e-9 / max(ab[1], 1e-30):.2f} GB/s"
                 for op, ab in fits.items()))
+    probes.append(speed_probe())
+    log(f"reference block: {1e3 * probes[0]:.1f} ms at the start, {1e3 * probes[1]:.1f} ms at the end")
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     p2p = coll["send/recv"][min(coll["send/recv"])]
     link = Link(p2p[0], 1.0 / max(p2p[1], 1e-30))
@@ -438,7 +465,8 @@ def calibrate(ranks: tuple[int, ...] = (2, 4, 8), *, log=print) -> Cluster:
                    peak_flops=max(r for _, r in matmul[1]), matmul=matmul, mem_bw=mem_bw, weight_bw=cold, conv=conv,
                    conv_bwd=conv_bwd,
                    intra=link, inter=link, collectives=coll, collectives_shared=shared, overhead=ovh,
-                   cores=cores, oversubscription=over, oversubscription_mem=over_mem, backend="gloo",
+                   cores=cores, oversubscription=over, oversubscription_mem=over_mem,
+                   probe_s=statistics.mean(probes), backend="gloo",
                    dtype_bytes=4)
 
 

@@ -63,6 +63,7 @@ def main(argv=None) -> int:
     from ..planner.costs import Plan
     from ..planner.spec_model import SpecModel, split_for
     from ..planner.timing import stage_times
+    from .calibrate import speed_drift
 
     ap = argparse.ArgumentParser(prog="python -m hybridpar.tools.split_bench")
     ap.add_argument("--profile", default="cpu", help="calibrated profile JSON (or the cpu preset)")
@@ -83,8 +84,8 @@ def main(argv=None) -> int:
     base = load_cluster(a.profile)
     print(f"resnet {a.n_layers} blocks on synthetic {a.image_size}x{a.image_size}x3 images, global "
           f"batch {a.global_batch}, {a.microbatches} micro-batches, 1F1B; profile {a.profile}; "
-          f"{os.cpu_count()} cores; medians of steps {a.warmup + 1}..{a.steps} over {a.rounds} rounds\n",
-          flush=True)
+          f"{os.cpu_count()} cores; medians of steps {a.warmup + 1}..{a.steps} over {a.rounds} rounds\n"
+          f"before: {speed_drift(base)}\n", flush=True)
     head = (f"{'pp':>2} {'split':>8} {'blocks':>10} {'pred stage ms':>28} {'meas stage ms':>28} "
             f"{'slowest err':>11} {'rounds ms':>11} {'step s':>7} {'vs count':>8}")
     rows = []
@@ -111,7 +112,7 @@ def main(argv=None) -> int:
             step = statistics.median(t for r in got[name] for t in r["step_times"][a.warmup:])
             rounds = [max(statistics.median(r["stages"][s][a.warmup:]) for s in range(pp)) for r in got[name]]
             rows.append((pp, name, split, pred, meas, step, rounds))
-    print(head + "\n" + "-" * len(head))
+    print(f"after: {speed_drift(base)}\n" + head + "\n" + "-" * len(head))
     count_step = {pp: step for pp, name, _, _, _, step, _ in rows if name == "count"}
     for pp, name, split, pred, meas, step, rounds in rows:
         err = (max(pred) - max(meas)) / max(meas)

@@ -31,6 +31,7 @@ from dataclasses import asdict, replace
 from ..config import Config, ModelConfig, ParallelConfig, TrainConfig
 from ..planner.cluster import Cluster, load_cluster
 from ..planner.costs import Plan, memory
+from .calibrate import speed_drift
 from ..planner.search import MODELS, candidates
 from ..planner.timing import predict_time
 
@@ -154,6 +155,7 @@ def main(argv=None) -> int:
     print(f"{a.model} at its defaults, global batch {a.global_batch}, {a.microbatches} micro-batches, 1F1B; "
           f"profile {a.profile}; {os.cpu_count()} cores; median of steps {a.warmup + 1}..{a.steps}",
           flush=True)
+    print(f"before: {speed_drift(base)}", flush=True)
     plans = [p for world in a.ranks for p in layouts(base, world, a.global_batch, a.microbatches, m)]
     runs, t0 = [], time.time()
     for rep in range(a.repeat):  # whole passes: a layout's repeats are minutes apart
@@ -174,7 +176,7 @@ def main(argv=None) -> int:
             if a.save:
                 with open(a.save, "w") as fh:
                     json.dump(runs, fh, indent=1)
-    print(f"{len(runs)} layouts in {time.time() - t0:.0f} s\n")
+    print(f"{len(runs)} layouts in {time.time() - t0:.0f} s; after: {speed_drift(base)}\n")
     report(runs, base, m)
     return 0
 
