@@ -263,6 +263,25 @@ def test_oversubscription_runs_one_pool_of_processes_in_turns():
     assert slow[1] == 1.0 and 0.3 < slow[2] < 10
 
 
+def test_pipeline_messages_cost_core_time_on_a_shared_cpu():
+    """On one machine Gloo's send/recv copies each message through the loopback socket on both
+    ends, on the cores the ranks compute on: a stage pays bytes / the p2p bandwidth for each
+    message it receives or sends, in the forward (activations) and the backward (their
+    gradients). A GPU's stages do not share cores, and pp=1 has no messages."""
+    m = ModelConfig(n_layers=4, d_model=64, n_heads=4, n_kv_heads=2, d_ff=128, seq_len=32)
+    cpu = replace(PRESETS["cpu"], devices_per_node=4, cores=2, intra=Link(1e-4, 1e9))
+    plan = Plan(dp=1, tp=1, pp=4, mb_size=2, microbatches=4)
+    model = timing.costing(m, plan, cpu)
+    one = 2 * 32 * 64 * cpu.dtype_bytes / 1e9  # seconds to copy one message
+    assert model.boundaries() == [model.message()] * 3 + [0.0]
+    assert timing._message_cpu(model, plan, cpu) == pytest.approx([one, 2 * one, 2 * one, one])
+    gpu_plan = Plan(dp=1, tp=1, pp=4, mb_size=2, microbatches=4)
+    assert timing._message_cpu(timing.costing(m, gpu_plan, PRESETS["h100-80g"]), gpu_plan,
+                               PRESETS["h100-80g"]) == [0.0] * 4
+    flat = Plan(dp=4, tp=1, pp=1, mb_size=2, microbatches=1)
+    assert timing._message_cpu(timing.costing(m, flat, cpu), flat, cpu) == [0.0]
+
+
 def test_dp_overlap_needs_an_idle_core():
     """The dp buckets launched during the last backward hide behind it on a GPU (its NCCL
     kernels run beside the compute); on a CPU whose cores the ranks fill, the reduction runs on
