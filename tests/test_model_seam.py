@@ -98,6 +98,41 @@ def test_synced_batchnorm_is_torch_batchnorm_in_one_process():
         torch.testing.assert_close(ours(x), ref(x), rtol=1e-6, atol=1e-6)
 
 
+def test_batchnorm_fused_at_dp1_equals_the_combination_the_dp_ranks_run(monkeypatch):
+    """At dp = 1 the layer runs torch's fused kernel; with dp replicas, the combination of the
+    ranks' statistics. In one process both must give the same outputs, gradients and running
+    statistics, recomputation included (so a layout's dp degree does not change the math)."""
+    from hybridpar.parallel import batchnorm
+    from hybridpar.parallel.batchnorm import recomputing, sync_batchnorm
+
+    g = torch.Generator().manual_seed(1)
+    fused, combined = nn.BatchNorm2d(4, momentum=None), nn.BatchNorm2d(4, momentum=None)
+    with torch.no_grad():
+        fused.weight.normal_(generator=g), fused.bias.normal_(generator=g)
+    combined.load_state_dict(fused.state_dict())
+    sync_batchnorm(fused, None), sync_batchnorm(combined, None)
+    for step in range(3):
+        x = torch.randn(6, 4, 5, 5, generator=g) * 2 + 3
+        dy = torch.randn(6, 4, 5, 5, generator=g)
+        xf, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
+        fused(xf).backward(dy)
+        with monkeypatch.context() as mp:
+            mp.setattr(batchnorm, "_fusable", lambda *a: False)
+            combined(xc).backward(dy)
+            if step == 2:
+                with recomputing():
+                    combined(x)
+        if step == 2:
+            with recomputing():
+                fused(x)
+        torch.testing.assert_close(xf.grad, xc.grad, rtol=1e-5, atol=1e-6)
+    for name in ("weight", "bias"):
+        torch.testing.assert_close(getattr(fused, name).grad, getattr(combined, name).grad, rtol=1e-5, atol=1e-5)
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        torch.testing.assert_close(getattr(fused, name), getattr(combined, name), rtol=1e-6, atol=1e-7)
+    assert fused.num_batches_tracked.item() == 3
+
+
 def test_boundaries_are_inferred_on_meta_with_tuples_and_dtypes():
     from examples.digits_cnn import spec as cnn_spec
 
