@@ -15,9 +15,10 @@ Each rank writes (n_r, m_r, M2_r) into its row of a zero (dp, 1 + 2C) table and 
 sums it (an all-gather autograd can differentiate: every rank uses the sum, so the backward is
 the all-reduce of the gradients, Megatron's sum_dy / sum_dy_xmu exchange). With dp = 1 there is
 nothing to combine and torch's fused kernel computes the same layer (``_local``): a dozen
-elementwise autograd ops each way become one kernel, 1.3-1.6x on a ResNet step here. Running statistics follow torch: ``running_mean <-
-(1 - m) running_mean + m mean``, ``running_var`` likewise with the unbiased ``var n / (n - 1)``,
-``num_batches_tracked += 1`` (momentum None: the cumulative average).
+elementwise autograd ops each way become one kernel, 1.3-1.6x on a ResNet step here. Running
+statistics follow torch: ``running_mean <- (1 - m) running_mean + m mean``, ``running_var``
+likewise with the unbiased ``var n / (n - 1)``, ``num_batches_tracked += 1`` (momentum None:
+the cumulative average).
 
 Activation recomputation re-runs forward in backward; under ``recomputing()`` a layer normalises
 identically (same collective, same statistics) but leaves its running statistics alone, so each
