@@ -275,9 +275,8 @@ def test_pipeline_messages_cost_core_time_on_a_shared_cpu():
     one = 2 * 32 * 64 * cpu.dtype_bytes / 1e9  # seconds to copy one message
     assert model.boundaries() == [model.message()] * 3 + [0.0]
     assert timing._message_cpu(model, plan, cpu) == pytest.approx([one, 2 * one, 2 * one, one])
-    gpu_plan = Plan(dp=1, tp=1, pp=4, mb_size=2, microbatches=4)
-    assert timing._message_cpu(timing.costing(m, gpu_plan, PRESETS["h100-80g"]), gpu_plan,
-                               PRESETS["h100-80g"]) == [0.0] * 4
+    gpu = PRESETS["h100-80g"]
+    assert timing._message_cpu(timing.costing(m, plan, gpu), plan, gpu) == [0.0] * 4
     flat = Plan(dp=4, tp=1, pp=1, mb_size=2, microbatches=1)
     assert timing._message_cpu(timing.costing(m, flat, cpu), flat, cpu) == [0.0]
 

@@ -31,9 +31,9 @@ from dataclasses import asdict, replace
 from ..config import Config, ModelConfig, ParallelConfig, TrainConfig
 from ..planner.cluster import Cluster, load_cluster
 from ..planner.costs import Plan, memory
-from .calibrate import speed_drift
 from ..planner.search import MODELS, candidates
 from ..planner.timing import predict_time
+from .calibrate import speed_drift
 
 
 def model_of(name: str, measure: bool = False):
