@@ -243,6 +243,18 @@ def test_calibration_takes_the_timings_it_compares_in_turns():
     assert calls == ["a", "b"] * 4 and a > 0 and b > 0  # a warm-up call each, then in turns
 
 
+def test_the_convolution_table_has_a_row_per_width():
+    """Each (channels, size) of the grid gives one forward and one backward entry, tagged with
+    its width (the planner interpolates between widths), the backward at twice the FLOPs."""
+    from hybridpar.tools.calibrate import CONV_SHAPES, conv_table
+
+    assert {c for c, _ in CONV_SHAPES} == {4, 8, 16, 32, 64, 128, 256}
+    fwd, bwd = conv_table(1, draws=2, shapes=((4, 4), (8, 4)))
+    assert [(f, c) for f, _, c in fwd] == [(2.0 * 8 * 4 * 4 * 9 * 16, 4), (2.0 * 8 * 8 * 8 * 9 * 16, 8)]
+    assert [(f, c) for f, _, c in bwd] == [(2 * f, c) for f, _, c in fwd]
+    assert all(r > 0 for _, r, _ in fwd + bwd)
+
+
 def test_a_profile_keeps_the_speed_it_was_measured_at(tmp_path):
     """The benches print the machine's speed against the profile's, so that a prediction's
     error can be read against the drift of the machine it was measured on."""

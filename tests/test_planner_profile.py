@@ -308,7 +308,8 @@ def test_convolutions_are_timed_at_the_calibrated_convolution_rate(tmp_path):
 
     prof = profile_spec(_toy_spec(), _toy_example)
     conv = prof.units[0]
-    assert conv.fwd["none"].convs == (2 * 4 * H * H * C * 3 * 3,) and conv.fwd["none"].timed == ()
+    width = (4 * C) ** 0.5  # channels per group: the geometric mean of the weight's out and in
+    assert conv.fwd["none"].convs == ((2 * 4 * H * H * C * 3 * 3, width),) and conv.fwd["none"].timed == ()
     c = load_cluster("cpu")
     slow = replace(c, conv={1: [(1e3, 1e8), (1e9, 1e9)]})
     path = tmp_path / "p.json"
@@ -316,6 +317,17 @@ def test_convolutions_are_timed_at_the_calibrated_convolution_rate(tmp_path):
     loaded = load_profile(str(path))
     assert loaded.conv == {1: [(1e3, 1e8), (1e9, 1e9)]}
     assert loaded.conv_rate(1e6) < c.conv_rate(1e6) == c.flop_rate(1e6)
+    assert loaded.conv_rate(1e6, channels=8.0) == loaded.conv_rate(1e6)  # no widths calibrated
+    # widths calibrated: each width's row interpolated in log(flops), then between the widths
+    # around the call's in log(channels), clamped at the narrowest and the widest
+    wide = replace(c, conv={1: [(1e3, 1e8, 4), (1e9, 1e9, 4), (1e3, 4e8, 64), (1e9, 4e9, 64)]})
+    save_profile(wide, str(path))
+    wide = load_profile(str(path))
+    assert wide.conv_rate(1e6, channels=4) == pytest.approx(5.5e8)
+    assert wide.conv_rate(1e6, channels=64) == pytest.approx(2.2e9)
+    assert wide.conv_rate(1e6, channels=16) == pytest.approx((5.5e8 + 2.2e9) / 2)
+    assert wide.conv_rate(1e6, channels=2) == wide.conv_rate(1e6, channels=4)
+    assert wide.conv_rate(1e6, channels=512) == wide.conv_rate(1e6, channels=64)
     t = sm.pass_time(conv, "fwd", "none", loaded, 2, threads=1, slow=1.0, tp=1, world=0)[0]
     t0 = sm.pass_time(conv, "fwd", "none", c, 2, threads=1, slow=1.0, tp=1, world=0)[0]
     assert t > t0

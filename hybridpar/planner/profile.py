@@ -79,11 +79,12 @@ class Pass:
     dp_comm: tuple[tuple[str, Linear], ...] = ()
     """(collective, bytes) of each collective over the data-parallel replicas inside the pass
     (SyncBatchNorm's statistics), in order."""
-    convs: tuple[float, ...] = ()
-    """FLOPs per sample of each convolution call: timed at the convolution rate."""
-    conv_grads: tuple[float, ...] = ()
-    """FLOPs per sample of each convolution backward (input + weight gradients in one call):
-    timed at the convolution backward rate."""
+    convs: tuple[tuple[float, float], ...] = ()
+    """(FLOPs per sample, channels per group) of each convolution call: timed at the
+    convolution rate for its width."""
+    conv_grads: tuple[tuple[float, float], ...] = ()
+    """The same of each convolution backward (input + weight gradients in one call): timed at
+    the convolution backward rate."""
     weights: float = 0.0
     """Bytes the matmul-class calls read that neither the pass made nor scale with b: the
     parameters (a forward's weights, a backward's input-gradient products), streamed from
@@ -145,8 +146,8 @@ class _Counter(torch.utils._python_dispatch.TorchDispatchMode):
         self.registry = flop_registry
         self.matmuls: list[float] = []
         self.timed: list[float] = []
-        self.convs: list[float] = []
-        self.conv_grads: list[float] = []
+        self.convs: list[tuple[float, float]] = []
+        self.conv_grads: list[tuple[float, float]] = []
         self.read = 0.0  # bytes the matmul-class calls read from tensors made before the pass
         self.traffic = 0.0
         self.comm: list[tuple[str, float]] = []
@@ -196,13 +197,23 @@ class _Counter(torch.utils._python_dispatch.TorchDispatchMode):
             self.read += sum(t.numel() * t.element_size() for t in _flat((args, kwargs))
                              if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in self.created)
             if "conv" in name:  # convolutions and their gradients, each at its own rate
-                (self.conv_grads if "backward" in name else self.convs).append(flops)
+                (self.conv_grads if "backward" in name else self.convs).append(
+                    (flops, _conv_channels(name, args)))
             else:
                 self.timed.append(flops)
         elif not func.is_view:
             self.traffic += sum(t.numel() * t.element_size() for t in _flat((args, kwargs, out))
                                 if isinstance(t, torch.Tensor))
         return out
+
+
+def _conv_channels(name: str, args) -> float:
+    """Channels per group of a convolution call, the geometric mean of its input's and output's
+    (the width the calibrated rate depends on): the weight is (out, in / groups, k...) or,
+    transposed, (in, out / groups, k...); ``convolution_backward`` takes it third."""
+    backward = "backward" in name
+    w, groups = args[2 if backward else 1], args[9 if backward else 8]
+    return (w.shape[0] / groups * w.shape[1]) ** 0.5
 
 
 def _flat(x):

@@ -103,31 +103,47 @@ def weight_bw(threads: int, tokens: int = 64, rotate: int = 64 << 20) -> float:
     return min(statistics.median(rates), 1e13)
 
 
-def conv_table(threads: int) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
-    """([(flops, FLOP/s)] forward, the same backward) of 3x3 convolutions of a CNN's shapes (8
-    images, C -> C channels at H x H); a backward computes the input and weight gradients, twice
-    the FLOPs. A rate by FLOPs alone cannot tell kernel sizes apart (a 1x1 convolution of the
-    same FLOPs runs several times faster here): the table is of the 3x3 kernels CNNs spend
-    their time in."""
+CONV_SHAPES = tuple((c, h) for c in (4, 8, 16, 32, 64, 128, 256) for h in (4, 8, 16, 32)
+                    if c <= 64 or h <= 16)
+"""(channels, image size) of the convolution table: every width at several sizes."""
+
+
+def conv_table(threads: int, draws: int = 6, shapes=CONV_SHAPES
+               ) -> tuple[list[tuple[float, float, int]], list[tuple[float, float, int]]]:
+    """([(flops, FLOP/s, channels)] forward, the same backward) of 3x3 convolutions of a CNN's
+    shapes (8 images, C -> C channels at H x H, each C at several H); a backward computes the
+    input and weight gradients, twice the FLOPs. The rate depends on the width as well as the
+    FLOPs (here a 16-channel convolution runs at 70 GFLOP/s, a 64-channel one of the same FLOPs
+    at 110), so each width has its own row. A rate by FLOPs alone cannot tell kernel sizes
+    apart either (a 1x1 convolution of the same FLOPs runs several times faster here): the
+    table is of the 3x3 kernels CNNs spend their time in.
+
+    Each shape is timed on ``draws`` allocations at different addresses, and its time is their
+    mean: on this CPU a convolution whose output lies just below its input modulo 4 KiB (loads
+    falsely wait on the stores of the same page offset) ran at half speed, 50 against 100
+    GFLOP/s for 32 channels at 32 x 32, and a training step's tensors land anywhere."""
     import torch
     import torch.nn.functional as F
 
     torch.set_num_threads(threads)
-    fwd: dict[float, float] = {}
-    bwd: dict[float, float] = {}
-    for c, h in ((4, 8), (8, 8), (16, 8), (16, 16), (32, 16), (64, 8), (64, 16), (128, 8),
-                 (128, 16), (256, 8), (64, 32), (256, 16)):
-        x = torch.randn(8, c, h, h, requires_grad=True)
-        w = torch.randn(c, c, 3, 3, requires_grad=True)
-        g = torch.randn(8, c, h, h)
+    fwd, bwd = [], []
+    for c, h in shapes:
         flops = 2.0 * 8 * c * c * 9 * h * h
-        t_f, t_fb = _timeit_many([lambda: F.conv2d(x, w, padding=1),
-                                  lambda: torch.autograd.grad(F.conv2d(x, w, padding=1), (x, w), g)])
-        t_b = t_fb - t_f
+        t_f = t_b = 0.0
+        pads = []
+        for i in range(draws):
+            pads.append(torch.empty(97 * (i + 1)))  # moves the next tensors' addresses
+            x = torch.randn(8, c, h, h, requires_grad=True)
+            w = torch.randn(c, c, 3, 3, requires_grad=True)
+            g = torch.randn(8, c, h, h)
+            f, fb = _timeit_many([lambda: F.conv2d(x, w, padding=1),
+                                  lambda: torch.autograd.grad(F.conv2d(x, w, padding=1), (x, w), g)],
+                                 min_s=0.02, reps=2)
+            t_f, t_b = t_f + f / draws, t_b + (fb - f) / draws
         for rows, f, t in ((fwd, flops, t_f), (bwd, 2 * flops, t_b)):
             if t > 0:
-                rows[f] = max(rows.get(f, 0.0), f / t)
-    return sorted(fwd.items()), sorted(bwd.items())
+                rows.append((f, f / t, c))
+    return sorted(fwd), sorted(bwd)
 
 
 def _median_step(model, *, mb: int, microbatches: int, threads: int, data, steps: int, warmup: int) -> float:
@@ -432,7 +448,7 @@ def calibrate(ranks: tuple[int, ...] = (2, 4, 8), *, log=print) -> Cluster:
     log(f"matmul: best {max(r for _, r in matmul[1]) / 1e9:.1f} GFLOP/s on 1 thread ({time.time() - t0:.0f} s)")
     tables = {t: conv_table(t) for t in thread_counts}
     conv, conv_bwd = ({t: v[i] for t, v in tables.items()} for i in (0, 1))
-    log(f"convolutions: {min(r for _, r in conv[1]) / 1e9:.1f} .. {max(r for _, r in conv[1]) / 1e9:.1f} "
+    log(f"convolutions: {min(r for _, r, _ in conv[1]) / 1e9:.1f} .. {max(r for _, r, _ in conv[1]) / 1e9:.1f} "
         f"GFLOP/s on 1 thread")
     cold = {t: weight_bw(t) for t in thread_counts}
     log("weights read cold: " + ", ".join(f"{v / 1e9:.1f} GB/s on {t} threads" for t, v in cold.items()))
