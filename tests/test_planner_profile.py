@@ -328,6 +328,11 @@ def test_convolutions_are_timed_at_the_calibrated_convolution_rate(tmp_path):
     assert wide.conv_rate(1e6, channels=16) == pytest.approx((5.5e8 + 2.2e9) / 2)
     assert wide.conv_rate(1e6, channels=2) == wide.conv_rate(1e6, channels=4)
     assert wide.conv_rate(1e6, channels=512) == wide.conv_rate(1e6, channels=64)
+    # below a width's smallest entry: the same kernel on fewer pixels, its time on the line
+    # through the two smallest entries (not the matmul table's constant launch cost)
+    t0, t1 = 1e3 / 1e8, 1e9 / 1e9
+    assert wide.conv_rate(500, channels=4) == pytest.approx(500 / (t0 + (t1 - t0) * (500 - 1e3) / (1e9 - 1e3)))
+    assert loaded.conv_rate(500) == pytest.approx(1e8 * 500 / 1e3)  # no widths: the launch cost
     t = sm.pass_time(conv, "fwd", "none", loaded, 2, threads=1, slow=1.0, tp=1, world=0)[0]
     t0 = sm.pass_time(conv, "fwd", "none", c, 2, threads=1, slow=1.0, tp=1, world=0)[0]
     assert t > t0

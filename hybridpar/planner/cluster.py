@@ -152,8 +152,8 @@ class Cluster:
         i = min(max(bisect.bisect_left(cs, channels), 1), len(cs) - 1)
         lo, hi = cs[i - 1], cs[i]
         w = min(max(math.log(channels / lo) / math.log(hi / lo), 0.0), 1.0)
-        return (_interp(sorted(widths[lo]), flops) * (1 - w)
-                + _interp(sorted(widths[hi]), flops) * w)
+        return (_interp(sorted(widths[lo]), flops, linear=True) * (1 - w)
+                + _interp(sorted(widths[hi]), flops, linear=True) * w)
 
     def elementwise_bw(self, threads: int = 1) -> float:
         return _nearest(self.mem_bw, threads)
@@ -188,12 +188,19 @@ def _rate(tables: dict, flops: float, threads: int) -> float:
     return _interp(_nearest(tables, threads), flops)
 
 
-def _interp(table: list, flops: float) -> float:
+def _interp(table: list, flops: float, *, linear: bool = False) -> float:
     """A [(flops, FLOP/s)] table sorted by flops, at ``flops``, interpolated in log(flops);
-    below the smallest entry the time stays that entry's (a fixed launch cost)."""
+    below the smallest entry the time stays that entry's (a fixed launch cost), or with
+    ``linear`` (one convolution width at fewer pixels: the same kernel on fewer rows) follows
+    the line through the two smallest entries' times, never at a higher rate than the smallest's."""
     xs = [math.log(f) for f, _ in table]
     x = math.log(max(flops, 1.0))
     i = bisect.bisect_left(xs, x)
+    if i == 0 and flops < table[0][0] and linear and len(table) > 1:
+        (f0, r0), (f1, r1) = table[0], table[1]
+        t0, t1 = f0 / r0, f1 / r1
+        t = max(t0 + (t1 - t0) * (flops - f0) / (f1 - f0), flops / r0)
+        return flops / t
     if i == 0:
         return table[0][1] * flops / table[0][0] if flops < table[0][0] else table[0][1]
     if i == len(xs):

@@ -26,7 +26,9 @@ measured with all the world's ranks running.
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import random
 import statistics
 import time
 from dataclasses import replace
@@ -103,7 +105,7 @@ def weight_bw(threads: int, tokens: int = 64, rotate: int = 64 << 20) -> float:
     return min(statistics.median(rates), 1e13)
 
 
-CONV_SHAPES = tuple((c, h) for c in (4, 8, 16, 32, 64, 128, 256) for h in (4, 8, 16, 32)
+CONV_SHAPES = tuple((c, h) for c in (4, 8, 16, 32, 64, 128, 256) for h in (2, 4, 8, 16, 32)
                     if c <= 64 or h <= 16)
 """(channels, image size) of the convolution table: every width at several sizes."""
 
@@ -111,31 +113,38 @@ CONV_SHAPES = tuple((c, h) for c in (4, 8, 16, 32, 64, 128, 256) for h in (4, 8,
 def conv_table(threads: int, draws: int = 6, shapes=CONV_SHAPES
                ) -> tuple[list[tuple[float, float, int]], list[tuple[float, float, int]]]:
     """([(flops, FLOP/s, channels)] forward, the same backward) of 3x3 convolutions of a CNN's
-    shapes (8 images, C -> C channels at H x H, each C at several H); a backward computes the
+    shapes (8 images, C -> C channels at H x H, each C at H = 2 .. 32); a backward computes the
     input and weight gradients, twice the FLOPs. The rate depends on the width as well as the
     FLOPs (here a 16-channel convolution runs at 70 GFLOP/s, a 64-channel one of the same FLOPs
     at 110), so each width has its own row. A rate by FLOPs alone cannot tell kernel sizes
     apart either (a 1x1 convolution of the same FLOPs runs several times faster here): the
     table is of the 3x3 kernels CNNs spend their time in.
 
-    Each shape is timed on ``draws`` allocations at different addresses, and its time is their
-    mean: on this CPU a convolution whose output lies just below its input modulo 4 KiB (loads
-    falsely wait on the stores of the same page offset) ran at half speed, 50 against 100
-    GFLOP/s for 32 channels at 32 x 32, and a training step's tensors land anywhere."""
+    Each shape is timed with its tensors at ``draws`` random offsets within a page, and its
+    time is their mean: on this CPU a convolution ran at half speed with some placements of its
+    tensors (50 against 100 GFLOP/s, 32 channels at 32 x 32; 4 KiB aliasing between the loads
+    of one and the stores of another), and a training step's tensors land anywhere."""
     import torch
     import torch.nn.functional as F
 
     torch.set_num_threads(threads)
+    pick = random.Random(0)
+
+    def placed(*shape: int) -> torch.Tensor:
+        """A normal tensor at a random 64-byte offset within a page (a fresh tensor of one size
+        lands at the same offset every time)."""
+        n = math.prod(shape)
+        off = 16 * pick.randrange(64)
+        return torch.empty(n + 1024)[off:off + n].view(shape).normal_()
+
     fwd, bwd = [], []
     for c, h in shapes:
         flops = 2.0 * 8 * c * c * 9 * h * h
         t_f = t_b = 0.0
-        pads = []
-        for i in range(draws):
-            pads.append(torch.empty(97 * (i + 1)))  # moves the next tensors' addresses
-            x = torch.randn(8, c, h, h, requires_grad=True)
-            w = torch.randn(c, c, 3, 3, requires_grad=True)
-            g = torch.randn(8, c, h, h)
+        for _ in range(draws):
+            x = placed(8, c, h, h).requires_grad_()
+            w = placed(c, c, 3, 3).requires_grad_()
+            g = placed(8, c, h, h)
             f, fb = _timeit_many([lambda: F.conv2d(x, w, padding=1),
                                   lambda: torch.autograd.grad(F.conv2d(x, w, padding=1), (x, w), g)],
                                  min_s=0.02, reps=2)
