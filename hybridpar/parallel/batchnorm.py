@@ -95,6 +95,13 @@ def batch_stats(x: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor, flo
     return mean, var, n_r * size
 
 
+def _count_batch(bn: _BatchNorm) -> float:
+    """Counts one more batch and returns the running statistics' weight for it: the momentum,
+    or 1 / count when it is None (the cumulative average), as torch's BatchNorm."""
+    bn.num_batches_tracked.add_(1)
+    return (1.0 / float(bn.num_batches_tracked)) if bn.momentum is None else bn.momentum
+
+
 def _fusable(bn: _BatchNorm, x: torch.Tensor, group) -> bool:
     """dp = 1, statistics kept in the input's dtype, and more than one value per channel (the
     kernel's n / (n - 1) needs two; the combination clamps it)."""
@@ -112,8 +119,7 @@ def _local(bn: _BatchNorm, x: torch.Tensor) -> torch.Tensor:
     m = 0.0  # a recomputation's running statistics: (1 - 0) r + 0 s, unchanged; the kernel saves
     # the same tensors as in the first forward, as the checkpoint requires
     if bn.track_running_stats and not _recomputing.get():
-        bn.num_batches_tracked.add_(1)
-        m = (1.0 / float(bn.num_batches_tracked)) if bn.momentum is None else bn.momentum
+        m = _count_batch(bn)
     return torch.batch_norm(x, bn.weight, bn.bias, bn.running_mean, bn.running_var, True, m, bn.eps,
                             torch.backends.cudnn.enabled)
 
@@ -129,8 +135,7 @@ def _forward(bn: _BatchNorm, group, x: torch.Tensor) -> torch.Tensor:
     mean, var, n = batch_stats(xf, group)
     if bn.training and bn.track_running_stats and not _recomputing.get():
         with torch.no_grad():
-            bn.num_batches_tracked.add_(1)
-            m = (1.0 / float(bn.num_batches_tracked)) if bn.momentum is None else bn.momentum
+            m = _count_batch(bn)
             bn.running_mean.lerp_(mean.detach().to(bn.running_mean.dtype), m)
             unbiased = var.detach() * (n / max(n - 1.0, 1.0))
             bn.running_var.lerp_(unbiased.to(bn.running_var.dtype), m)
