@@ -159,7 +159,11 @@ def test_profile_round_trip(tmp_path):
     save_profile(c, path)
     assert load_profile(path) == c
     assert collective_time(c, "all-reduce", 2, 1e6) == pytest.approx(1e-4 + 1e-3)
-    assert collective_time(c, "reduce-scatter", 2, 1e6) == pytest.approx(1e-4 + 1e-3)  # Gloo: all-reduce
+    # a Gloo profile without a reduce-scatter fit (calibrated before the runtime's all-to-all
+    # reduce-scatter): an all-reduce's latency on half its bytes
+    assert collective_time(c, "reduce-scatter", 2, 1e6) == pytest.approx(1e-4 + 0.5e-3)
+    fitted = replace(c, collectives={**c.collectives, "reduce-scatter": {2: [2e-4, 0.4e-9]}})
+    assert collective_time(fitted, "reduce-scatter", 2, 1e6) == pytest.approx(2e-4 + 0.4e-3)
 
 
 def test_shared_collectives_apply_when_the_world_is_larger_than_the_group(tmp_path):

@@ -82,7 +82,8 @@ class Cluster:
     percent between minutes; re-timing it beside a measurement (``calibrate.speed_drift``)
     tells that drift from the cost model's error. 0: not recorded."""
     backend: str = "nccl"
-    """gloo has no reduce-scatter: the runtime all-reduces instead (ZeRO-1, sequence parallel)."""
+    """gloo: p2p sends complete one by one (``sends``), and a profile calibrated before the
+    runtime's all-to-all reduce-scatter has no reduce-scatter fit (``costs.collective_time``)."""
     dtype_bytes: int = 2
     """Bytes of an activation element in the compute dtype (2: bf16 autocast, 4: fp32)."""
 

@@ -413,8 +413,6 @@ def _collectives_worker(sizes: list[int], iters: int, n: int) -> dict | None:
             return v.item()
 
         for name, (_, numel, ours, _raw) in cases(n).items():
-            if name == "reduce-scatter":  # Gloo has none: the runtime all-reduces (costed so)
-                continue
             pts, near, gaps = [], [], []
             for i, size in enumerate(sizes):
                 x = torch.randn(numel(size // 4))

@@ -5,7 +5,7 @@
 Pairs, each timed A B A B on the same tensors (fp32, world group):
 
   all-reduce      ours: ``reduce_from_tp`` (autograd fn: clone + all_reduce)  raw: ``dist.all_reduce``
-  reduce-scatter  ours: ``reduce_scatter_to_tp`` (Gloo: all-reduce, keep a shard)
+  reduce-scatter  ours: ``reduce_scatter_to_tp`` (Gloo: all-to-all, then the local sum)
                   raw: ``dist.reduce_scatter_single`` (or ``reduce_scatter_tensor`` on older torch)
   all-gather      ours: ``gather_from_tp`` (list all_gather + cat)  raw: ``dist.all_gather_single``
   send/recv       ours: the pipeline runtime's ``batch_isend_irecv`` of P2POps, ring to rank+1
