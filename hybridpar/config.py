@@ -416,9 +416,11 @@ def _validate_vit(m: ModelConfig, p: ParallelConfig) -> None:
             valid = [d for d in _divisors(m.n_heads) if m.d_ff % d == 0]
             raise ConfigError(f"parallel.tp={p.tp} must divide model.{name}={size}; "
                               f"valid tp: {', '.join(map(str, valid))}")
-    if p.sequence_parallel and p.tp > 1 and ((m.image_size // m.patch_size) ** 2 + 1) % p.tp:
-        raise ConfigError(f"parallel.sequence_parallel splits the {(m.image_size // m.patch_size) ** 2 + 1} "
-                          f"tokens (patches + class token) over tp={p.tp}, which must divide them")
+    if p.sequence_parallel and p.tp > 1:
+        raise ConfigError(f"parallel.sequence_parallel is not supported for model.name=vit: its "
+                          f"patch embedding and class-token head are not split over tp, so the "
+                          f"token stream would stay whole on every rank (the gradients counted "
+                          f"tp={p.tp} times); turn sequence parallelism off")
 
 
 def _validate_cnn(m: ModelConfig, p: ParallelConfig) -> None:
@@ -538,13 +540,7 @@ def _validate_cp(m: ModelConfig, p: ParallelConfig) -> None:
     if m.spec:
         return  # a user's model: its spec says whether it supports cp (checked when loaded)
     if m.name == "vit":
-        tokens = (m.image_size // m.patch_size) ** 2 + 1
-        per = -(-tokens // p.cp)
-        if p.sequence_parallel and p.tp > 1 and per % p.tp:
-            raise ConfigError(f"parallel.sequence_parallel splits each cp rank's {per} tokens "
-                              f"(of {tokens}, padded to a multiple of cp) over tp={p.tp}, which "
-                              f"must divide them")
-        return
+        return  # its tokens are padded to a multiple of cp; sequence parallelism is refused
     if m.name != "llama":
         raise ConfigError(f"parallel.cp={p.cp}: context parallelism splits token sequences for "
                           f"models built on the library's attention (llama, vit); "

@@ -51,6 +51,9 @@ def test_toml_wrong_type_is_refused(tmp_path):
     (["--parallel.cp=2", "--parallel.tp=4", "--parallel.sequence_parallel=true", "--model.seq_len=12"],
      "parallel.sequence_parallel splits each cp rank's 6 tokens over tp=4, which must divide them"),
     (["--parallel.order=tp-cp-dp"], "must name dp, tp and pp once each (and cp, or cp goes right after tp)"),
+    # the ViT's stream would enter every tp rank whole (measured before: grad norm exactly 2x)
+    (["--model.name=vit", "--parallel.tp=2", "--parallel.sequence_parallel=true"],
+     "parallel.sequence_parallel is not supported for model.name=vit"),
 ])
 def test_validation_messages(overrides, words):
     with pytest.raises(ConfigError) as e:

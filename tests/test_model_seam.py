@@ -58,6 +58,22 @@ def test_conv_plan_errors_before_any_process():
         check_plan(resnet, {"head.fc": "channelwise"}, 2, where="resnet")
     with pytest.raises(ValueError, match="sequence_parallel splits activations along dim 1"):
         check_plan(resnet, {"blocks.*.body.0": "colwise"}, 2, where="resnet", sequence_parallel=True)
+    # a transformer whose stream is not split where it enters (no vocab-parallel embedding) or
+    # gathered where it leaves (no vocab-parallel head): refused, not run whole on every rank
+    from hybridpar.models.vit import TP_PLAN as VIT_PLAN
+    with torch.device("meta"):
+        vit = spec_for(ModelConfig(name="vit", n_layers=2, d_model=32, n_heads=4, d_ff=64,
+                                   image_size=8, patch_size=2, channels=1)).build()
+    check_plan(vit, VIT_PLAN, 2, where="vit")
+    with pytest.raises(ValueError, match="has no 'vocab_embedding' and no 'vocab_head' style"):
+        check_plan(vit, VIT_PLAN, 2, where="vit", sequence_parallel=True)
+    with torch.device("meta"):
+        llama = spec_for(ModelConfig(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64)).build()
+    from hybridpar.models.llama import TP_PLAN as LLAMA_PLAN
+    check_plan(llama, LLAMA_PLAN, 2, where="llama", sequence_parallel=True)
+    no_head = {k: v for k, v in LLAMA_PLAN.items() if v != "vocab_head"}
+    with pytest.raises(ValueError, match="has no 'vocab_head' style"):
+        check_plan(llama, no_head, 2, where="llama", sequence_parallel=True)
     grouped = nn.Sequential(nn.Conv2d(4, 4, 3, groups=2), nn.Conv2d(4, 4, 3, groups=4))
     with pytest.raises(ValueError, match=r"0 is a grouped Conv \(groups=2\)"):
         check_plan(grouped, {"0": "rowwise"}, 2)

@@ -116,7 +116,13 @@ def _split_size(m: nn.Module, style: str) -> tuple[int, str] | str:
 def check_plan(model: nn.Module, plan: dict[str, str], tp: int, *, where: str = "model",
                sequence_parallel: bool = False) -> None:
     """Before anything is built: every pattern names a module of the right kind whose split
-    dimension ``tp`` divides. Raises ValueError naming the pattern or module."""
+    dimension ``tp`` divides. Raises ValueError naming the pattern or module.
+
+    Sequence parallelism needs the token stream split where it enters and gathered where it
+    leaves: a ``vocab_embedding`` (its sum over tp is reduce-scattered along the sequence) and a
+    ``vocab_head`` (a region: it gathers the sequence back). Without them every rank would carry
+    the whole stream into the regions, whose all-gather would then repeat it tp times, and the
+    norms' gradients, summed over tp as if each rank had seen its part, would count it tp times."""
     modules = dict(model.named_modules())
     for pattern, style in plan.items():
         if style not in STYLES:
@@ -142,6 +148,14 @@ def check_plan(model: nn.Module, plan: dict[str, str], tp: int, *, where: str = 
                 valid = ", ".join(str(d) for d in range(1, size + 1) if size % d == 0 and d <= 64)
                 raise ValueError(f"parallel.tp={tp} must divide the {size} {what} of {n} "
                                  f"({style}); valid tp: {valid}")
+    if sequence_parallel and tp > 1:
+        missing = [s for s in ("vocab_embedding", "vocab_head") if s not in plan.values()]
+        if missing:
+            raise ValueError(f"parallel.sequence_parallel splits the token stream between a "
+                             f"vocab-parallel embedding and a vocab-parallel head; the tp_plan of "
+                             f"{where} has no {' and no '.join(repr(s) for s in missing)} style, so "
+                             f"its stream would enter every rank whole; turn sequence "
+                             f"parallelism off for this model")
 
 
 def _row_forward(lin: nn.Module, leave, x: torch.Tensor) -> torch.Tensor:
