@@ -36,7 +36,17 @@ def _reduce_scatter_cases() -> dict:
         back = torch.empty(n * 1000)
         all_gather_flat(back, got, None)
         full_back = float((back - full).abs().max())
-        return {"sync": sync_ok, "async": async_ok, "err": err, "gather_err": full_back}
+        # sequence parallelism's token shards: a flat run of the (B, T, d) stream per rank,
+        # shaped (B, T/n, d); the all-gather puts the runs back in order
+        from hybridpar.parallel.tensor_parallel.mappings import gather_tokens, reduce_scatter_tokens
+        stream = torch.arange(2 * 3 * n * 4, dtype=torch.float32).view(2, 3 * n, 4)
+        mine = reduce_scatter_tokens(stream * (r + 1), dist.group.WORLD, 1)
+        total = stream * sum(range(1, n + 1))
+        tokens_ok = (mine.shape == (2, 3, 4)
+                     and torch.equal(mine.reshape(-1), total.reshape(-1).chunk(n)[r])
+                     and torch.equal(gather_tokens(mine, dist.group.WORLD, 1), total))
+        return {"sync": sync_ok, "async": async_ok, "err": err, "gather_err": full_back,
+                "tokens": tokens_ok}
     finally:
         dist.destroy_process_group()
 
@@ -46,6 +56,6 @@ def test_gloo_reduce_scatter_gives_each_rank_its_slice_of_the_sum():
 
     got = spawn(_reduce_scatter_cases, 3)
     for rank, res in got.items():
-        assert res["sync"] and res["async"], (rank, res)
+        assert res["sync"] and res["async"] and res["tokens"], (rank, res)
         # three fp32 summands of |x| < ~5: reordering changes the sum by a few ulps of ~10
         assert res["err"] <= 4e-6 and res["gather_err"] <= 4e-6, (rank, res)

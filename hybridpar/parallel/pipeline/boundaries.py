@@ -5,7 +5,8 @@ meta tensors shaped like one micro-batch's inputs: no memory, no computation, no
 and no real module runs (a warm-up forward on real modules would, e.g., update BatchNorm
 statistics). A boundary may carry a tensor or a tuple of tensors, of different shapes per
 boundary (a CNN's feature maps shrink stage by stage; a tuple can carry a skip connection).
-Under sequence parallelism every floating tensor crossing a boundary is split along dim 1.
+Under sequence parallelism every floating tensor crossing a boundary holds 1/tp of the tokens
+(its dim 1 divided by tp; ``tensor_parallel.mappings``).
 Only floating tensors carry gradients back.
 """
 from __future__ import annotations

@@ -201,9 +201,10 @@ def apply_tp(model: nn.Module, mesh: ParallelMesh, plan: dict[str, str], *,
     ``plan``.
 
     With ``sequence_parallel`` (Megatron-SP) the activations outside the regions (norms,
-    residual stream, pipeline sends) are split along the sequence (dim 1): each region starts
-    with an all-gather of the sequence (backward: reduce-scatter) and each row-parallel output
-    is reduce-scattered instead of all-reduced; same bytes, 1/tp of the norm activations.
+    residual stream, pipeline sends) hold 1/tp of the tokens, shaped (B, T/tp, d): a flat run of
+    the batch's tokens (``mappings``), which token-wise layers may hold in any split. Each region
+    starts with an all-gather of the tokens (backward: reduce-scatter) and each row-parallel
+    output is reduce-scattered instead of all-reduced; same bytes, 1/tp of the norm activations.
 
     Returns {parameter or buffer name: split dim} for the sharded tensors."""
     tp, r, group = mesh.layout.tp, mesh.tp_rank, mesh.group("tp")

@@ -7,7 +7,7 @@ Pairs, each timed A B A B on the same tensors (fp32, world group):
   all-reduce      ours: ``reduce_from_tp`` (autograd fn: clone + all_reduce)  raw: ``dist.all_reduce``
   reduce-scatter  ours: ``reduce_scatter_to_tp`` (Gloo: all-to-all, then the local sum)
                   raw: ``dist.reduce_scatter_single`` (or ``reduce_scatter_tensor`` on older torch)
-  all-gather      ours: ``gather_from_tp`` (list all_gather + cat)  raw: ``dist.all_gather_single``
+  all-gather      ours: ``gather_from_sp`` (flat shards: one all_gather_single)  raw: the same call
   send/recv       ours: the pipeline runtime's ``batch_isend_irecv`` of P2POps, ring to rank+1
                   raw: ``dist.isend``/``dist.irecv`` ring to rank+1, waited
 
@@ -69,7 +69,7 @@ def _ring(x, group, batched: bool):
 
 def cases(n: int):
     """name -> (bus factor, full-size tensor numel for elements e, ours(x, g), raw(x, g))."""
-    from ...parallel.tensor_parallel.mappings import gather_from_tp, reduce_from_tp, reduce_scatter_to_tp
+    from ...parallel.tensor_parallel.mappings import gather_from_sp, reduce_from_tp, reduce_scatter_to_tp
 
     return {
         "all-reduce": (2 * (n - 1) / n, lambda e: e,
@@ -78,7 +78,7 @@ def cases(n: int):
                            lambda x, g: reduce_scatter_to_tp(x, g, 0),
                            lambda x, g: _raw_reduce_scatter(x, g, n)),
         "all-gather": ((n - 1) / n, lambda e: e // n,  # input is one shard; S counts the output
-                       lambda x, g: gather_from_tp(x, g, 0), lambda x, g: _raw_all_gather(x, g, n)),
+                       lambda x, g: gather_from_sp(x, g, 0), lambda x, g: _raw_all_gather(x, g, n)),
         "send/recv": (1.0, lambda e: e,
                       lambda x, g: _ring(x, g, True), lambda x, g: _ring(x, g, False)),
     }
