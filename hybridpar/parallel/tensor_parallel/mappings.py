@@ -55,37 +55,31 @@ def all_reduce(x: torch.Tensor, group, wire: torch.dtype | None = None) -> torch
     return out.to(x.dtype)
 
 
-def _resized(x: torch.Tensor, dim: int, n: int, *, grow: bool) -> tuple[int, ...]:
-    shape = list(x.shape)
-    if not grow and shape[dim] % n:
+def _exchange_tokens(x: torch.Tensor, group, dim: int, wire: torch.dtype | None, *,
+                     gather: bool) -> torch.Tensor:
+    """One flat collective on the token shards (module docstring), in ``wire`` dtype if given,
+    no copy: ``gather`` the ranks' shards end to end (``dim`` n times longer), else sum over
+    the group and keep this rank's flat 1/n (``dim`` n times shorter)."""
+    n = _size(group)
+    src = (x.to(wire) if wire is not None else x).contiguous()
+    shape = list(src.shape)
+    if not gather and shape[dim] % n:
         raise ValueError(f"sequence parallelism splits dim {dim} of a {tuple(x.shape)} activation "
                          f"over tp={n}, which must divide it")
-    shape[dim] = shape[dim] * n if grow else shape[dim] // n
-    return tuple(shape)
+    shape[dim] = shape[dim] * n if gather else shape[dim] // n
+    out = src.new_empty(shape)
+    outer = activity.enter("tp all-gather" if gather else "tp reduce-scatter")
+    (all_gather_flat if gather else reduce_scatter_flat)(out.view(-1), src.view(-1), group)
+    activity.leave(outer)
+    return out.to(x.dtype)
 
 
 def gather_tokens(x: torch.Tensor, group, dim: int, wire: torch.dtype | None = None) -> torch.Tensor:
-    """The ranks' flat shards end to end (module docstring), shaped like ``x`` with ``dim``
-    n times longer; one all-gather (in ``wire`` dtype if given), no copy."""
-    n = _size(group)
-    src = (x.to(wire) if wire is not None else x).contiguous()
-    out = src.new_empty(_resized(src, dim, n, grow=True))
-    outer = activity.enter("tp all-gather")
-    all_gather_flat(out.view(-1), src.view(-1), group)
-    activity.leave(outer)
-    return out.to(x.dtype)
+    return _exchange_tokens(x, group, dim, wire, gather=True)
 
 
 def reduce_scatter_tokens(x: torch.Tensor, group, dim: int, wire: torch.dtype | None = None) -> torch.Tensor:
-    """Sum over the group, keep this rank's flat 1/n (module docstring), shaped like ``x``
-    with ``dim`` n times shorter; one reduce-scatter (in ``wire`` dtype if given), no copy."""
-    n = _size(group)
-    src = (x.to(wire) if wire is not None else x).contiguous()
-    out = src.new_empty(_resized(src, dim, n, grow=False))
-    outer = activity.enter("tp reduce-scatter")
-    reduce_scatter_flat(out.view(-1), src.view(-1), group)
-    activity.leave(outer)
-    return out.to(x.dtype)
+    return _exchange_tokens(x, group, dim, wire, gather=False)
 
 
 class _CopyTo(torch.autograd.Function):
