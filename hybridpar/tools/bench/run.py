@@ -293,7 +293,7 @@ def main(argv: list[str]) -> int:
     total_steps = a.warmup + 1 + a.repeats * a.steps
     base = replace(base, train=replace(base.train, steps=max(base.train.steps, total_steps)))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # the memory profiler's start/stop chatter
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # above USDT (5): the profiler's start/stop lines
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # "freed block allocated before profiling"
     m = base.model
     print(f"model: {m.n_layers} layers, d_model {m.d_model}, seq {m.seq_len}, global batch "
