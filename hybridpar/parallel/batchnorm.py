@@ -12,8 +12,10 @@ M2_r = sum (x - m_r)^2 (``torch.var_mean``, numerically stable), Chan et al.'s c
     y = (x - mean) / sqrt(var + eps) * weight + bias
 
 Each rank writes (n_r, m_r, M2_r) into its row of a zero (dp, 1 + 2C) table and one all-reduce
-sums it (an all-gather autograd can differentiate: every rank uses the sum, so the backward is
-the all-reduce of the gradients, Megatron's sum_dy / sum_dy_xmu exchange). With dp = 1 there is
+sums it (an all-gather). The layer is one autograd function with the closed-form backward
+(``_SyncBatchNorm``): one all-reduce of (sum dy, sum dy xhat) and a few fused passes over x, where
+autograd through the formula took a dozen elementwise ops each way (the ResNet, 8 blocks on
+32 x 32 images, dp = 2: 153 against 172 ms a step). With dp = 1 there is
 nothing to combine and torch's fused kernel computes the same layer (``_local``): a dozen
 elementwise autograd ops each way become one kernel, 1.3-1.6x on a ResNet step here. Running
 statistics follow torch: ``running_mean <- (1 - m) running_mean + m mean``, ``running_var``
@@ -55,25 +57,19 @@ def is_batchnorm(module: nn.Module) -> bool:
     return isinstance(module, _BatchNorm)
 
 
-class _SumEverywhere(torch.autograd.Function):
-    """All-reduce (sum) forward; all-reduce of the gradients backward (every rank used the sum)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        out = x.clone()
-        dist.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, g):
-        g = g.clone()
-        dist.all_reduce(g, group=ctx.group)
-        return g, None
+def _combine(table: torch.Tensor, C: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(n, mean, biased var) per channel from the (dp, 1 + 2C) table of (n_r, m_r, M2_r): Chan's
+    combination, as a sum of the M2 plus the spread of the means about the common mean."""
+    n_k, m_k, m2_k = table[:, :1], table[:, 1:1 + C], table[:, 1 + C:]
+    n = n_k.sum()
+    mean = (n_k * m_k).sum(0) / n
+    var = (m2_k.sum(0) + (n_k * (m_k - mean) ** 2).sum(0)) / n
+    return n, mean, var
 
 
 def batch_stats(x: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """(mean, biased var, count) per channel (dim 1) over the dp group's micro-batch rows."""
+    """(mean, biased var, count) per channel (dim 1) over the dp group's micro-batch rows; no
+    autograd (``_SyncBatchNorm`` differentiates the layer as a whole)."""
     dims = [0, *range(2, x.dim())]
     var_r, mean_r = torch.var_mean(x, dim=dims, unbiased=False)
     n_r = x.numel() / x.size(1)
@@ -81,18 +77,63 @@ def batch_stats(x: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor, flo
     if size == 1:
         return mean_r, var_r, n_r
     C, rank = x.size(1), dist.get_rank(group)
-    row = torch.cat([mean_r.new_full((1,), n_r), mean_r, var_r * n_r])
-    table = _SumEverywhere.apply(
-        torch.cat([row.new_zeros(rank, 1 + 2 * C), row[None], row.new_zeros(size - rank - 1, 1 + 2 * C)]),
-        group)
-    n_k, m_k, m2_k = table[:, 0].detach(), table[:, 1:1 + C], table[:, 1 + C:]
-    n = n_k.sum()
-    mean = (n_k[:, None] * m_k).sum(0) / n
-    var = (m2_k.sum(0) + (n_k[:, None] * (m_k - mean) ** 2).sum(0)) / n
+    table = x.new_zeros(size, 1 + 2 * C)
+    table[rank, 0] = n_r
+    table[rank, 1:1 + C] = mean_r
+    torch.mul(var_r, n_r, out=table[rank, 1 + C:])
+    dist.all_reduce(table, group=group)
+    _, mean, var = _combine(table, C)
     # the count for the running variance's n/(n-1): every dp rank's micro-batch has the same
     # rows (the global batch divides by dp), so it is known without a host sync (float(n) would
     # wait for the all-reduce on a GPU, once per BatchNorm and micro-batch)
     return mean, var, n_r * size
+
+
+class _SyncBatchNorm(torch.autograd.Function):
+    """The training layer over the dp group, with its closed-form backward (Megatron's and
+    torch's SyncBatchNorm): one all-reduce each way and a few fused passes over x, instead of
+    autograd through a dozen elementwise ops and the statistics' table.
+
+    Forward, per channel: y = x * a + (b - mean * a), a = w / sqrt(var + eps) (w = 1, b = 0
+    without affine). Backward, with xhat = (x - mean) / sqrt(var + eps) and the sums over the
+    group's rows (n of them): dL/db = sum dy, dL/dw = sum dy xhat (this rank's rows: the dp
+    gradient sync adds the replicas'), and
+        dL/dx = a * (dy - S_dy / n - xhat * S_dy_xhat / n),
+    S the sums over every rank's rows (one all-reduce of 2C values): every rank's loss depends
+    on this rank's x through the common mean and var."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, mean, var, n, eps, group):
+        invstd = torch.rsqrt(var + eps)
+        a = invstd if weight is None else weight.float() * invstd
+        shift = -mean * a if bias is None else bias.float() - mean * a
+        shape = (1, -1) + (1,) * (x.dim() - 2)
+        ctx.save_for_backward(x, weight, mean, invstd)
+        ctx.n, ctx.group, ctx.has_bias = n, group, bias is not None
+        return torch.addcmul(shift.view(shape), x, a.view(shape))
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, mean, invstd = ctx.saved_tensors
+        dims, shape = [0, *range(2, x.dim())], (1, -1) + (1,) * (x.dim() - 2)
+        C = x.size(1)
+        sums = torch.empty(2 * C, dtype=torch.float32, device=x.device)
+        torch.sum(dy, dim=dims, out=sums[:C])
+        # sum dy (x - mean), not sum dy x - mean sum dy: no cancellation when |mean| >> std
+        torch.sum(dy * (x - mean.view(shape)), dim=dims, out=sums[C:])
+        sums[C:].mul_(invstd)
+        local = sums.clone()
+        if ctx.group is not None and dist.get_world_size(ctx.group) > 1:
+            dist.all_reduce(sums, group=ctx.group)
+        mean_dy, mean_dy_xhat = sums[:C] / ctx.n, sums[C:] / ctx.n
+        a = invstd if weight is None else weight.float() * invstd
+        # dx = a dy - a xhat mean_dy_xhat - a mean_dy = a dy + k x + c per channel
+        k = -a * invstd * mean_dy_xhat
+        c = -a * mean_dy - k * mean
+        dx = torch.addcmul(torch.addcmul(c.view(shape), x, k.view(shape)), dy, a.view(shape))
+        dw = None if weight is None else local[C:].to(weight.dtype)
+        db = local[:C].to(weight.dtype if weight is not None else dy.dtype) if ctx.has_bias else None
+        return dx, dw, db, None, None, None, None, None
 
 
 def _count_batch(bn: _BatchNorm) -> float:
@@ -132,18 +173,13 @@ def _forward(bn: _BatchNorm, group, x: torch.Tensor) -> torch.Tensor:
     xf = x.float()
     if _fusable(bn, xf, group):
         return _local(bn, xf).to(x.dtype)
-    mean, var, n = batch_stats(xf, group)
-    if bn.training and bn.track_running_stats and not _recomputing.get():
-        with torch.no_grad():
+    with torch.no_grad():
+        mean, var, n = batch_stats(xf, group)
+        if bn.training and bn.track_running_stats and not _recomputing.get():
             m = _count_batch(bn)
-            bn.running_mean.lerp_(mean.detach().to(bn.running_mean.dtype), m)
-            unbiased = var.detach() * (n / max(n - 1.0, 1.0))
-            bn.running_var.lerp_(unbiased.to(bn.running_var.dtype), m)
-    shape = (1, -1) + (1,) * (x.dim() - 2)
-    y = (xf - mean.view(shape)) * torch.rsqrt(var.view(shape) + bn.eps)
-    if bn.weight is not None:
-        y = y * bn.weight.view(shape) + bn.bias.view(shape)
-    return y.to(x.dtype)
+            bn.running_mean.lerp_(mean.to(bn.running_mean.dtype), m)
+            bn.running_var.lerp_((var * (n / max(n - 1.0, 1.0))).to(bn.running_var.dtype), m)
+    return _SyncBatchNorm.apply(xf, bn.weight, bn.bias, mean, var, n, bn.eps, group).to(x.dtype)
 
 
 def sync_batchnorm(model: nn.Module, group) -> list[str]:
