@@ -57,16 +57,6 @@ def is_batchnorm(module: nn.Module) -> bool:
     return isinstance(module, _BatchNorm)
 
 
-def _combine(table: torch.Tensor, C: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(n, mean, biased var) per channel from the (dp, 1 + 2C) table of (n_r, m_r, M2_r): Chan's
-    combination, as a sum of the M2 plus the spread of the means about the common mean."""
-    n_k, m_k, m2_k = table[:, :1], table[:, 1:1 + C], table[:, 1 + C:]
-    n = n_k.sum()
-    mean = (n_k * m_k).sum(0) / n
-    var = (m2_k.sum(0) + (n_k * (m_k - mean) ** 2).sum(0)) / n
-    return n, mean, var
-
-
 def batch_stats(x: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor, float]:
     """(mean, biased var, count) per channel (dim 1) over the dp group's micro-batch rows; no
     autograd (``_SyncBatchNorm`` differentiates the layer as a whole)."""
@@ -82,7 +72,9 @@ def batch_stats(x: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor, flo
     table[rank, 1:1 + C] = mean_r
     torch.mul(var_r, n_r, out=table[rank, 1 + C:])
     dist.all_reduce(table, group=group)
-    _, mean, var = _combine(table, C)
+    n_k, m_k, m2_k = table[:, :1], table[:, 1:1 + C], table[:, 1 + C:]
+    mean = (n_k * m_k).sum(0) / n_k.sum()
+    var = (m2_k.sum(0) + (n_k * (m_k - mean) ** 2).sum(0)) / n_k.sum()
     # the count for the running variance's n/(n-1): every dp rank's micro-batch has the same
     # rows (the global batch divides by dp), so it is known without a host sync (float(n) would
     # wait for the all-reduce on a GPU, once per BatchNorm and micro-batch)
@@ -109,7 +101,7 @@ class _SyncBatchNorm(torch.autograd.Function):
         shift = -mean * a if bias is None else bias.float() - mean * a
         shape = (1, -1) + (1,) * (x.dim() - 2)
         ctx.save_for_backward(x, weight, mean, invstd)
-        ctx.n, ctx.group, ctx.has_bias = n, group, bias is not None
+        ctx.n, ctx.group, ctx.bias_dtype = n, group, None if bias is None else bias.dtype
         return torch.addcmul(shift.view(shape), x, a.view(shape))
 
     @staticmethod
@@ -132,7 +124,7 @@ class _SyncBatchNorm(torch.autograd.Function):
         c = -a * mean_dy - k * mean
         dx = torch.addcmul(torch.addcmul(c.view(shape), x, k.view(shape)), dy, a.view(shape))
         dw = None if weight is None else local[C:].to(weight.dtype)
-        db = local[:C].to(weight.dtype if weight is not None else dy.dtype) if ctx.has_bias else None
+        db = None if ctx.bias_dtype is None else local[:C].to(ctx.bias_dtype)
         return dx, dw, db, None, None, None, None, None
 
 
