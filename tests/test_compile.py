@@ -47,3 +47,37 @@ def test_compile_without_a_cxx_compiler_is_one_clear_error(monkeypatch):
     monkeypatch.setattr(shutil, "which", lambda name: None)
     with pytest.raises(ConfigError, match="train.compile=true needs a C.. compiler"):
         validate(_compiled(tiny_config()))
+
+
+def test_units_of_one_class_with_different_shapes_all_compile(monkeypatch):
+    """Dynamo keeps a limited number of compiled variants per code object (8 by default), and
+    units of one class share their forward (a CNN's blocks at several widths): ``apply_compile``
+    raises the limit so that every unit compiles instead of the later ones falling back to eager.
+    Ten blocks of one class, ten shapes: ten graphs (the eager backend: the count, not inductor,
+    is under test)."""
+    import torch
+    import torch._dynamo
+    import torch._dynamo.utils
+    from torch import nn
+
+    from hybridpar.parallel.parallelize import apply_compile
+
+    class Block(nn.Module):
+        def __init__(self, d_in, d_out):
+            super().__init__()
+            self.lin = nn.Linear(d_in, d_out)
+
+        def forward(self, x):
+            return torch.relu(self.lin(x))
+
+    compile_ = nn.Module.compile
+    monkeypatch.setattr(nn.Module, "compile", lambda self, **kw: compile_(self, backend="eager", **kw))
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
+    widths = list(range(4, 15))
+    model = nn.Sequential(*[Block(a, b) for a, b in zip(widths, widths[1:])])
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    apply_compile(model, [str(i) for i in range(len(model))])
+    model(torch.randn(3, 4)).sum().backward()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == len(model) == 10
+    torch._dynamo.reset()

@@ -260,7 +260,17 @@ def apply_compile(model: nn.Module, units: list[str]) -> None:
     names, hooks and checkpoints are unchanged). Per unit, not per stage: the graph breaks at a
     unit's tensor-parallel collectives stay inside it, the blocks of a transformer share one
     compiled graph (same code, same shapes), and the pipeline runtime still calls units one by
-    one. Shapes are static (dynamic=False): every micro-batch of a run has the same shape."""
+    one. Shapes are static (dynamic=False): every micro-batch of a run has the same shape.
+
+    Dynamo counts compiled variants per code object, and units of one class share their forward:
+    a ResNet's blocks are one ``Block.forward`` at several widths and strides, each compiled for
+    training and for evaluation. At its default of 8 the later blocks fell back to eager with a
+    warning (6 blocks at dp = 2); the limit is raised to 4 variants a unit."""
+    import torch._dynamo
+
+    need = 4 * len(units)
+    if torch._dynamo.config.recompile_limit < need:
+        torch._dynamo.config.recompile_limit = need
     for unit in units:
         model.get_submodule(unit).compile(dynamic=False)
 
