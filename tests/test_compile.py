@@ -72,12 +72,12 @@ def test_units_of_one_class_with_different_shapes_all_compile(monkeypatch):
 
     compile_ = nn.Module.compile
     monkeypatch.setattr(nn.Module, "compile", lambda self, **kw: compile_(self, backend="eager", **kw))
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
     widths = list(range(4, 15))
     model = nn.Sequential(*[Block(a, b) for a, b in zip(widths, widths[1:])])
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    apply_compile(model, [str(i) for i in range(len(model))])
-    model(torch.randn(3, 4)).sum().backward()
+    with torch._dynamo.config.patch(recompile_limit=8):  # the default; restored after
+        apply_compile(model, [str(i) for i in range(len(model))])
+        model(torch.randn(3, 4)).sum().backward()
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == len(model) == 10
     torch._dynamo.reset()
