@@ -73,8 +73,9 @@ def batch_stats(x: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor, flo
     torch.mul(var_r, n_r, out=table[rank, 1 + C:])
     dist.all_reduce(table, group=group)
     n_k, m_k, m2_k = table[:, :1], table[:, 1:1 + C], table[:, 1 + C:]
-    mean = (n_k * m_k).sum(0) / n_k.sum()
-    var = (m2_k.sum(0) + (n_k * (m_k - mean) ** 2).sum(0)) / n_k.sum()
+    n = n_k.sum()
+    mean = (n_k * m_k).sum(0) / n
+    var = (m2_k.sum(0) + (n_k * (m_k - mean) ** 2).sum(0)) / n
     # the count for the running variance's n/(n-1): every dp rank's micro-batch has the same
     # rows (the global batch divides by dp), so it is known without a host sync (float(n) would
     # wait for the all-reduce on a GPU, once per BatchNorm and micro-batch)
@@ -100,13 +101,14 @@ class _SyncBatchNorm(torch.autograd.Function):
         a = invstd if weight is None else weight.float() * invstd
         shift = -mean * a if bias is None else bias.float() - mean * a
         shape = (1, -1) + (1,) * (x.dim() - 2)
-        ctx.save_for_backward(x, weight, mean, invstd)
-        ctx.n, ctx.group, ctx.bias_dtype = n, group, None if bias is None else bias.dtype
+        ctx.save_for_backward(x, a, mean, invstd)
+        ctx.n, ctx.group = n, group
+        ctx.dtypes = tuple(None if t is None else t.dtype for t in (weight, bias))
         return torch.addcmul(shift.view(shape), x, a.view(shape))
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight, mean, invstd = ctx.saved_tensors
+        x, a, mean, invstd = ctx.saved_tensors
         dims, shape = [0, *range(2, x.dim())], (1, -1) + (1,) * (x.dim() - 2)
         C = x.size(1)
         sums = torch.empty(2 * C, dtype=torch.float32, device=x.device)
@@ -118,13 +120,13 @@ class _SyncBatchNorm(torch.autograd.Function):
         if ctx.group is not None and dist.get_world_size(ctx.group) > 1:
             dist.all_reduce(sums, group=ctx.group)
         mean_dy, mean_dy_xhat = sums[:C] / ctx.n, sums[C:] / ctx.n
-        a = invstd if weight is None else weight.float() * invstd
         # dx = a dy - a xhat mean_dy_xhat - a mean_dy = a dy + k x + c per channel
         k = -a * invstd * mean_dy_xhat
         c = -a * mean_dy - k * mean
         dx = torch.addcmul(torch.addcmul(c.view(shape), x, k.view(shape)), dy, a.view(shape))
-        dw = None if weight is None else local[C:].to(weight.dtype)
-        db = None if ctx.bias_dtype is None else local[:C].to(ctx.bias_dtype)
+        w_dtype, b_dtype = ctx.dtypes
+        dw = None if w_dtype is None else local[C:].to(w_dtype)
+        db = None if b_dtype is None else local[:C].to(b_dtype)
         return dx, dw, db, None, None, None, None, None
 
 
