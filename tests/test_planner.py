@@ -297,6 +297,32 @@ def test_pipeline_messages_cost_core_time_on_a_shared_cpu():
     assert timing._message_cpu(timing.costing(m, flat, cpu), flat, cpu) == [0.0]
 
 
+def test_pipeline_messages_take_calibrated_core_time_from_the_stages(tmp_path):
+    """With ``p2p_cpu`` calibrated, each send and receive is core work in the simulator (on
+    the cores the stages compute on) and the message itself costs its back-to-back latency:
+    at pp=4 on 2 cores the step grows. The calibrated
+    table is read at the busy ranks (linear between its points) and survives a save and load."""
+    c = replace(PRESETS["cpu"], nodes=1, devices_per_node=4, cores=2,
+                oversubscription={1: 1.0, 2: 1.0, 4: 2.0})
+    with_cpu = replace(c, p2p_cpu={2: 1e-4, 4: 5e-4})
+    assert with_cpu.p2p_core_seconds(3.0) == pytest.approx(3e-4)
+    assert with_cpu.p2p_core_seconds(1.0) == pytest.approx(1e-4)
+    assert with_cpu.p2p_core_seconds(8.0) == pytest.approx(5e-4)
+    assert c.p2p_core_seconds(4.0) == 0.0
+    save_profile(with_cpu, tmp_path / "p.json")
+    assert load_profile(tmp_path / "p.json").p2p_cpu == {2: 1e-4, 4: 5e-4}
+    plan = Plan(1, 1, 4, 8, 2)
+    model = timing.costing(SMALL, plan, with_cpu)
+    msg = model.message()
+    assert timing._message_time(model, plan, with_cpu, 4.0, shared=True) == pytest.approx(
+        collective_time(with_cpu, "send/recv", 2, msg, world=4.0, gap=0.0) + c.overhead["comm"])
+    assert timing._shared_inputs(model, plan, with_cpu, 4.0)[3]["post"] == pytest.approx(5e-4)
+    assert timing._shared_inputs(model, plan, c, 4.0)[3]["post"] == 0.0
+    assert timing.predict_time(SMALL, plan, with_cpu).makespan > timing.predict_time(SMALL, plan, c).makespan
+    flat = Plan(4, 1, 1, 1, 2)  # no pipeline, no messages
+    assert timing.predict_time(SMALL, flat, with_cpu).step_time == timing.predict_time(SMALL, flat, c).step_time
+
+
 def test_dp_overlap_needs_an_idle_core():
     """The dp buckets launched during the last backward hide behind it on a GPU (its NCCL
     kernels run beside the compute); on a CPU whose cores the ranks fill, the reduction runs on
@@ -348,3 +374,20 @@ def test_the_optimizer_shares_the_machine_by_its_own_calibrated_slow_down():
     base = timing.predict_time(m, plan, c).step_time
     shared = timing.predict_time(m, plan, replace(c, oversubscription_mem={1: 1.0, 2: 1.5, 4: 3.0, 8: 6.0})).step_time
     assert shared - base == pytest.approx(n * c.overhead["param"] * (3.0 - 2.0), rel=1e-6)
+
+
+def test_calibrate_measures_the_core_time_of_point_to_point_ops():
+    """The collectives' calibration, on 2 real Gloo ranks: besides each op's fit it reports the
+    core seconds a send or receive costs beyond the wall time (process CPU of the loop with the
+    op minus without), positive and below the op's own in-situ time budget."""
+    import os
+
+    from hybridpar.engine.launch import spawn
+    from hybridpar.tools.calibrate import _collectives_worker
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    fits = spawn(_collectives_worker, 2, [4 << 10, 64 << 10], 2, 2)[0]
+    cpu = fits.pop("p2p_cpu")
+    assert set(fits) == {"all-reduce", "reduce-scatter", "all-gather", "send/recv"}
+    assert all(len(f) == 4 for f in fits.values())
+    assert 0.0 < cpu < 0.05, cpu

@@ -243,8 +243,8 @@ def test_deferred_sends_let_a_stage_go_on():
                                          ("interleaved", 2, 4, 2)])
 def test_ranks_sharing_cores_share_the_work(name, p, m, v):
     """Processor sharing: with one core (each of n computing ranks at speed 1/n) and free
-    messages some rank always computes, so the run takes exactly the total work; with a core
-    per rank it is the run on separate devices."""
+    messages some rank always computes, so the run takes exactly the total work, the messages'
+    core time (``post_cpu``) included; with a core per rank it is the run on separate devices."""
     sched = build(name, p, m, v)
 
     def dur(rank, a):
@@ -254,6 +254,13 @@ def test_ranks_sharing_cores_share_the_work(name, p, m, v):
     one_core = simulate(sched, p, v, duration=dur, share=lambda n: 1.0 / n)
     assert one_core.makespan == pytest.approx(total)
     _check_dataflow(one_core, p, v)
+    # a message's core time (posting it, the transport's handling) is work on the same core
+    comms = sum(a.op.is_comm for acts in sched for a in acts)
+    posting = simulate(sched, p, v, duration=dur, share=lambda n: 1.0 / n, post_cpu=lambda r, a: 0.125)
+    assert posting.makespan == pytest.approx(total + 0.125 * comms)
+    _check_dataflow(posting, p, v)
+    free = simulate(sched, p, v, duration=dur, share=lambda n: 1.0 / n, post_cpu=lambda r, a: 0.0)
+    assert free.events == one_core.events
     own = simulate(sched, p, v, duration=dur)
     enough = simulate(sched, p, v, duration=dur, share=lambda n: min(1.0, p / n))
     assert enough.makespan == pytest.approx(own.makespan)

@@ -76,6 +76,12 @@ class Cluster:
     streams parameters, gradients and moments, so the ranks share the memory bandwidth as well
     as the cores (here 1.33x, 2.46x, 4.93x at 2, 4, 8 ranks against 1.11x, 2.54x, 4.56x for a
     block's compute)}; empty: as compute."""
+    p2p_cpu: dict = field(default_factory=dict)
+    """Calibrated on a CPU: {k: core seconds per point-to-point op (a send or a receive) beyond
+    its bytes' copy, with k ranks sharing the cores}: posting, waking Gloo's transport thread
+    and its socket handling, taken from the cores the ranks compute on. Measured between
+    matmuls in pairs of a world of k (64 KB, 2 cores: ~0.25 ms at 2 ranks, 0.6-1.0 ms at 4,
+    against 0.06 ms back to back); empty: free."""
     probe_s: float = 0.0
     """Calibrated on a CPU: seconds of a reference work (a default-model block's forward and
     backward on 1 thread) while the profile was made. This machine's speed drifts by tens of
@@ -128,6 +134,19 @@ class Cluster:
         if busy_ranks > table[-1][0]:
             slow *= busy_ranks / table[-1][0]
         return max(1.0, slow)
+
+    def p2p_core_seconds(self, busy_ranks: float) -> float:
+        """``p2p_cpu`` at ``busy_ranks`` ranks sharing the cores: linear between the calibrated
+        world sizes, clamped at the ends (0 where not calibrated)."""
+        table = sorted(self.p2p_cpu.items())
+        if not table:
+            return 0.0
+        k = min(max(busy_ranks, table[0][0]), table[-1][0])
+        i = max(1, bisect.bisect_left([x for x, _ in table], k)) if len(table) > 1 else 0
+        if not i:
+            return table[0][1]
+        (k0, v0), (k1, v1) = table[i - 1], table[i]
+        return v0 + (v1 - v0) * (k - k0) / (k1 - k0)
 
     def flop_rate(self, flops: float, threads: int = 1) -> float:
         """Achieved FLOP/s of one matmul of ``flops``, interpolated in log(flops)."""
@@ -273,6 +292,6 @@ def load_profile(path: str) -> Cluster:
     d["collectives"] = {op: {int(n): ab for n, ab in by_n.items()} for op, by_n in d["collectives"].items()}
     d["collectives_shared"] = {op: {int(k): {int(n): ab for n, ab in by_n.items()} for k, by_n in by_k.items()}
                                for op, by_k in d.get("collectives_shared", {}).items()}
-    for key in ("oversubscription", "oversubscription_mem"):
+    for key in ("oversubscription", "oversubscription_mem", "p2p_cpu"):
         d[key] = {int(k): v for k, v in d.get(key, {}).items()}
     return Cluster(**d)

@@ -18,10 +18,15 @@ replicas, which compute in lockstep with it). So a light stage runs slower while
 ones compute beside it, and a bubble or a p2p wait frees a core for another rank; a stage's tp
 collectives hold it without computing. After the schedule, and in the closed form used for
 pruning, compute is slowed by the average number of busy ranks (the world times the non-idle
-share of the pipeline from a first simulation). The tp collectives and p2p messages
-cost what was calibrated in concurrent groups of that many busy ranks (``collectives_shared``:
-a peer that is descheduled when a collective starts must be woken first); the dp sync after the
-schedule, which every rank joins, at the whole world.
+share of the pipeline from a first simulation). The tp collectives cost what was calibrated
+in concurrent groups of that many busy ranks (``collectives_shared``: a peer that is
+descheduled when a collective starts must be woken first); the dp sync after the schedule,
+which every rank joins, at the whole world. A pipeline message, where the profile has its core
+time (``Cluster.p2p_cpu``), is that work on the shared cores for each send and receive (Gloo's
+transport thread wakes and handles the socket on the cores the stages compute on: 0.5-0.9 ms a
+message between matmuls on 2 cores, against 0.06 ms back to back), then its back-to-back
+latency; so the simulator plays out the wait for a descheduled peer and the compute it slows.
+Without it, the message costs the in-situ time calibrated in concurrent groups, using no core.
 """
 from __future__ import annotations
 
@@ -173,7 +178,7 @@ def _post_schedule(n: int, plan: Plan, c: Cluster, last_bwd: float,
 
 
 def _simulate(name: str, p: int, M: int, v: int, fwd: tuple, bwd: tuple, tc: float, sends: str,
-              rates: tuple | None = None, waits: tuple | None = None):
+              rates: tuple | None = None, waits: tuple | None = None, post: float = 0.0):
     """The schedule run by the runtime's simulator with these per-virtual-stage durations and
     message time ``tc``. Ranks sharing a CPU: ``rates[n]`` is each one's compute speed while n
     of the p compute, ``fwd``/``bwd`` are then the times alone and ``waits`` the (forward,
@@ -184,17 +189,19 @@ def _simulate(name: str, p: int, M: int, v: int, fwd: tuple, bwd: tuple, tc: flo
     return simulate(build(name, p, M, v), p, v,
                     duration=lambda rank, a: (fwd if a.op is Op.FWD else bwd)[a.chunk * p + rank],
                     comm_time=lambda rank, a: tc, sends=sends,
-                    share=(lambda n: rates[n]) if rates else None, wait=wait if waits else None)
+                    share=(lambda n: rates[n]) if rates else None, wait=wait if waits else None,
+                    post_cpu=(lambda rank, a: post) if post else None)
 
 
 @lru_cache(maxsize=4096)
 def _makespan(name: str, p: int, M: int, v: int, fwd: tuple, bwd: tuple, tc: float, quick: bool,
-              sends: str = "blocking", rates: tuple | None = None, waits: tuple | None = None):
+              sends: str = "blocking", rates: tuple | None = None, waits: tuple | None = None,
+              post: float = 0.0):
     """(makespan, per-rank end, bubble, method) of the schedule (``_simulate``); cached, as
     layouts differing only after the schedule (ZeRO-1, say) share it."""
 
     def sim(mbs: int):
-        r = _simulate(name, p, mbs, v, fwd, bwd, tc, sends, rates, waits)
+        r = _simulate(name, p, mbs, v, fwd, bwd, tc, sends, rates, waits, post)
         ends = [0.0] * p
         for ev in r.events:
             ends[ev.rank] = max(ends[ev.rank], ev.end)
@@ -313,8 +320,9 @@ def _shared_inputs(model, plan: Plan, c: Cluster, busy_ranks: float):
     costs = model.chunks(1.0, busy_ranks)
     copy = _message_cpu(model, plan, c)
     fwd, bwd = (tuple(x[i] - x[i + 2] + copy[v] for v, x in enumerate(costs)) for i in (0, 1))
-    return fwd, bwd, _message_time(model, plan, c, busy_ranks), dict(
-        rates=_rates(c, plan), waits=tuple((x[2], x[3]) for x in costs))
+    post = c.p2p_core_seconds(busy_ranks) if plan.pp > 1 else 0.0
+    return fwd, bwd, _message_time(model, plan, c, busy_ranks, shared=bool(post)), dict(
+        rates=_rates(c, plan), waits=tuple((x[2], x[3]) for x in costs), post=post)
 
 
 def _message_cpu(model, plan: Plan, c: Cluster) -> list[float]:
@@ -333,12 +341,15 @@ def _message_cpu(model, plan: Plan, c: Cluster) -> list[float]:
     return [((sent[v - 1] if v else 0.0) + sent[v]) / c.intra.bw for v in range(len(sent))]
 
 
-def _message_time(model, plan: Plan, c: Cluster, busy_ranks: float) -> float:
-    """Seconds of one p2p message between stages, with ``busy_ranks`` sharing the cores."""
+def _message_time(model, plan: Plan, c: Cluster, busy_ranks: float, *, shared: bool = False) -> float:
+    """Seconds of one p2p message between stages, with ``busy_ranks`` sharing the cores.
+    ``shared``: the simulator charges each op's core time (``Cluster.p2p_cpu``) on the shared
+    cores, so the wait for a descheduled peer is played out there; the message itself then
+    costs its back-to-back time (the latency with both ends running)."""
     if plan.pp == 1:
         return 0.0
     return collective_time(c, "send/recv", 2, model.message(), inter=spans_nodes(c, plan, "pp"),
-                           world=busy_ranks) + c.overhead["comm"]
+                           world=busy_ranks, gap=0.0 if shared else None) + c.overhead["comm"]
 
 
 def _rates(c: Cluster, plan: Plan) -> tuple[float, ...]:

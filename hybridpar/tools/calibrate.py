@@ -10,7 +10,9 @@
               groups of a world of k (a dp x tp layout's tp groups), each call between two
               matmuls as in training (its cost: the loop's time minus the matmuls'):
               alpha + beta * bytes fitted to 5 sizes; and the latency back to back (alpha0),
-              which the planner interpolates to the compute a model has between its calls
+              which the planner interpolates to the compute a model has between its calls;
+              and the core time of a send/recv op beyond the wall time's (process CPU, Gloo's
+              thread included, less the matmuls'), which a pipeline's messages take from compute
   oversubscription  the slow-down of k concurrent 1-thread processes doing a block's work, and
               doing the trainer's optimizer update (which shares the memory bandwidth too)
   probe       a reference block's time at the start and end, to compare the machine's speed
@@ -412,6 +414,13 @@ def _collectives_worker(sizes: list[int], iters: int, n: int) -> dict | None:
             dist.all_reduce(v, op=op)
             return v.item()
 
+        def timed(fn, x) -> tuple[float, float]:
+            """(wall, process CPU: every thread, Gloo's included) seconds per call."""
+            c0 = time.process_time()
+            wall = _time(fn, x, group, iters)
+            return wall, (time.process_time() - c0) / iters
+
+        cpu_ops = []
         for name, (_, numel, ours, _raw) in cases(n).items():
             pts, near, gaps = [], [], []
             for i, size in enumerate(sizes):
@@ -423,9 +432,11 @@ def _collectives_worker(sizes: list[int], iters: int, n: int) -> dict | None:
                 dist.barrier()
                 runs = []
                 for _ in range(5):
-                    both = _time(lambda v, g: (a @ w, ours(v, g)), x, group, iters)
-                    alone = _time(lambda v, g: a @ w, x, group, iters)
+                    both, cpu_both = timed(lambda v, g: (a @ w, ours(v, g)), x)
+                    alone, cpu_alone = timed(lambda v, g: a @ w, x)
                     runs.append((both - alone, alone))
+                    if name == "send/recv" and n == 2 and i < 2:  # one send + one receive a call
+                        cpu_ops.append((cpu_both - cpu_alone) / 2)
                 pts.append((size, across(max(statistics.median(t for t, _ in runs), 1e-6))))
                 gaps.append(statistics.median(c for _, c in runs))
                 if i < 2:  # the latency end: the same op back to back
@@ -436,6 +447,8 @@ def _collectives_worker(sizes: list[int], iters: int, n: int) -> dict | None:
             alpha0 = statistics.median(max(t - beta * b, 0.0) for b, t in near)
             gap = across(statistics.median(gaps), dist.ReduceOp.SUM) / k  # the ranks' mean
             out[name] = [alpha, beta, min(alpha0, alpha), gap]
+        if cpu_ops:  # the ranks' mean; the bytes' copy is costed apart (at most 64 KB here)
+            out["p2p_cpu"] = max(across(statistics.median(cpu_ops), dist.ReduceOp.SUM) / k, 0.0)
         return out if rank == 0 else None
     finally:
         from ..engine.launch import teardown
@@ -471,9 +484,14 @@ def calibrate(ranks: tuple[int, ...] = (2, 4, 8), *, log=print) -> Cluster:
     sizes = [4 << 10, 64 << 10, 512 << 10, 2 << 20, 8 << 20]
     coll: dict = {}
     shared: dict = {}
+    p2p_cpu: dict = {}
     for k in ranks:
         for n in (n for n in ranks if n <= k and k % n == 0):
             fits = spawn(_collectives_worker, k, sizes, 8, n)[0]
+            if "p2p_cpu" in fits:
+                p2p_cpu[k] = fits.pop("p2p_cpu")
+                log(f"point-to-point ops between matmuls, {k} ranks: {p2p_cpu[k] * 1e6:.0f} us of "
+                    f"core time each")
             for op, ab in fits.items():
                 (coll.setdefault(op, {}) if n == k else shared.setdefault(op, {}).setdefault(k, {}))[n] = ab
             log(f"collectives in groups of {n} of {k} ranks: " + ", ".join(
@@ -488,7 +506,7 @@ def calibrate(ranks: tuple[int, ...] = (2, 4, 8), *, log=print) -> Cluster:
                    peak_flops=max(r for _, r in matmul[1]), matmul=matmul, mem_bw=mem_bw, weight_bw=cold, conv=conv,
                    conv_bwd=conv_bwd,
                    intra=link, inter=link, collectives=coll, collectives_shared=shared, overhead=ovh,
-                   cores=cores, oversubscription=over, oversubscription_mem=over_mem,
+                   cores=cores, oversubscription=over, oversubscription_mem=over_mem, p2p_cpu=p2p_cpu,
                    probe_s=statistics.mean(probes), backend="gloo",
                    dtype_bytes=4)
 

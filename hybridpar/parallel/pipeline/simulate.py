@@ -170,7 +170,8 @@ def _check_messages(schedule: Schedule, n_stages: int) -> dict:
 def simulate(schedule: Schedule, n_stages: int, n_chunks: int = 1,
              duration: CostFn | None = None, comm_time: CostFn | None = None, *,
              backward: bool = True, sends: str = "deferred",
-             share: Callable[[int], float] | None = None, wait: CostFn | None = None) -> SimResult:
+             share: Callable[[int], float] | None = None, wait: CostFn | None = None,
+             post_cpu: CostFn | None = None) -> SimResult:
     """Validate ``schedule`` and time it; ``duration`` / ``comm_time`` map (rank, action) to
     seconds (defaults: F = 1, B = 2, messages free). ``backward=False`` checks a forward-only
     (evaluation) list; ``sends`` is ``"deferred"`` or ``"blocking"`` (module docstring). Raises
@@ -179,7 +180,9 @@ def simulate(schedule: Schedule, n_stages: int, n_chunks: int = 1,
     Ranks that share processors (a CPU's cores): ``share(n)`` is the speed of each rank's
     compute while n of the ranks compute at once (processor sharing: about min(1, cores / n));
     an action's ``duration`` is then its time alone, and ``wait(rank, action)`` the seconds it
-    spends in its own collectives after that work, computing nothing."""
+    spends in its own collectives after that work, computing nothing; ``post_cpu(rank, action)``
+    the core seconds the rank spends on each message of a batch before it is posted (posting,
+    and the transport's handling of the bytes, which take the same cores as the compute)."""
     if sends not in SENDS:
         raise ValueError(f"sends={sends!r} must be one of {SENDS}")
     if len(schedule) != n_stages:
@@ -191,7 +194,7 @@ def simulate(schedule: Schedule, n_stages: int, n_chunks: int = 1,
     _check_coverage(schedule, n_stages, n_chunks, backward)
     where = _check_messages(schedule, n_stages)
     events, clock = _run(schedule, n_stages, where, duration or default_duration,
-                         comm_time or _no_comm_time, sends == "deferred", share, wait)
+                         comm_time or _no_comm_time, sends == "deferred", share, wait, post_cpu)
     busy = tuple(sum((e.end - e.start for e in events
                       if e.rank == r and not e.action.op.is_comm), 0.0) for r in range(n_stages))
     makespan = max(clock, default=0.0)
@@ -206,11 +209,13 @@ def simulate(schedule: Schedule, n_stages: int, n_chunks: int = 1,
 
 def _run(schedule: Schedule, n_stages: int, where: dict, duration: CostFn,
          comm_time: CostFn, deferred: bool, share: Callable[[int], float] | None = None,
-         wait: CostFn | None = None) -> tuple[list[Event], list[float]]:
+         wait: CostFn | None = None,
+         post_cpu: CostFn | None = None) -> tuple[list[Event], list[float]]:
     """Event-driven run in time order. A compute action is ``duration`` seconds of work then
     ``wait`` seconds in which the rank computes nothing (its own collectives); the work
     progresses at ``share(n)`` seconds per second while n ranks do work at once (1 without
-    ``share``: each rank has its own device, and times follow from data flow alone)."""
+    ``share``: each rank has its own device, and times follow from data flow alone). A comm
+    batch is first ``post_cpu`` seconds of such work (summed over its ops), then posted."""
     plan = [steps(acts) for acts in schedule]
     pos, clock = [0] * n_stages, [0.0] * n_stages
     posted: dict[tuple[int, int], float] = {}  # (rank, step index) -> time the batch was posted
@@ -219,6 +224,7 @@ def _run(schedule: Schedule, n_stages: int, where: dict, duration: CostFn,
     # per rank: None (takes its next step, or waits for a peer to post), ("work", left, since)
     # or ("until", t)
     state: list = [None] * n_stages
+    handled: set[tuple[int, int]] = set()  # comm steps whose post_cpu work is done
     started = [0.0] * n_stages
     t = 0.0
 
@@ -236,7 +242,11 @@ def _run(schedule: Schedule, n_stages: int, where: dict, duration: CostFn,
 
     def work_done(r: int) -> bool:
         """The compute action's work is done at ``t``: it waits in its collectives, if any, or
-        ends now (True)."""
+        ends now (True). A comm batch's posting work is done: it is posted next."""
+        if plan[r][pos[r]][0].op.is_comm:
+            handled.add((r, pos[r]))
+            state[r] = None
+            return True
         after = wait(r, plan[r][pos[r]][0]) if wait else 0.0
         if after > 0:
             state[r] = ("until", t + after)
@@ -269,7 +279,13 @@ def _run(schedule: Schedule, n_stages: int, where: dict, duration: CostFn,
                         moved = True
                         continue
                     if (r, pos[r]) not in posted:
-                        posted[r, pos[r]] = started[r] = t
+                        cpu = sum(post_cpu(r, a) for a in step) if post_cpu else 0.0
+                        if cpu > 0 and (r, pos[r]) not in handled:
+                            started[r], state[r] = t, ("work", cpu, t)
+                            break
+                        if (r, pos[r]) not in handled:
+                            started[r] = t
+                        posted[r, pos[r]] = t
                         in_background.extend((r, a, t) for a in step if deferred and a.op.is_send)
                         moved = True
                     waited = [a for a in step if not (deferred and a.op.is_send)]
