@@ -315,7 +315,7 @@ def test_pipeline_messages_take_calibrated_core_time_from_the_stages(tmp_path):
     model = timing.costing(SMALL, plan, with_cpu)
     msg = model.message()
     assert timing._message_time(model, plan, with_cpu, 4.0, shared=True) == pytest.approx(
-        collective_time(with_cpu, "send/recv", 2, msg, world=4.0, gap=0.0) + c.overhead["comm"])
+        collective_time(with_cpu, "send/recv", 2, msg, world=2.0, gap=0.0) + c.overhead["comm"])
     assert timing._shared_inputs(model, plan, with_cpu, 4.0)[3]["post"] == pytest.approx(5e-4)
     assert timing._shared_inputs(model, plan, c, 4.0)[3]["post"] == 0.0
     assert timing.predict_time(SMALL, plan, with_cpu).makespan > timing.predict_time(SMALL, plan, c).makespan

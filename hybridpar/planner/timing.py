@@ -309,8 +309,11 @@ def stage_times(m, plan: Plan, c: Cluster) -> list[float]:
         chunks = model.chunks(c.contention(float(plan.world)), float(plan.world))
         return [sum(chunks[ch * p + s][0] + chunks[ch * p + s][1]
                     for ch in range(plan.virtual_stages)) for s in range(p)]
-    fwd, bwd, tc, extra = _shared_inputs(model, plan, c, float(plan.world))
-    run = _simulate(plan.schedule, p, M, plan.virtual_stages, fwd, bwd, tc, c.sends, **extra)
+    busy_ranks = float(plan.world)
+    for _ in range(2):  # as ``predict_time``: the busy ranks re-estimated from a first run
+        fwd, bwd, tc, extra = _shared_inputs(model, plan, c, busy_ranks)
+        run = _simulate(plan.schedule, p, M, plan.virtual_stages, fwd, bwd, tc, c.sends, **extra)
+        busy_ranks = plan.world * (1.0 - run.bubble_fraction)
     return [busy / M for busy in run.busy]
 
 
@@ -345,11 +348,12 @@ def _message_time(model, plan: Plan, c: Cluster, busy_ranks: float, *, shared: b
     """Seconds of one p2p message between stages, with ``busy_ranks`` sharing the cores.
     ``shared``: the simulator charges each op's core time (``Cluster.p2p_cpu``) on the shared
     cores, so the wait for a descheduled peer is played out there; the message itself then
-    costs its back-to-back time (the latency with both ends running)."""
+    costs its back-to-back time with both ends running: the pair's, calibrated alone."""
     if plan.pp == 1:
         return 0.0
     return collective_time(c, "send/recv", 2, model.message(), inter=spans_nodes(c, plan, "pp"),
-                           world=busy_ranks, gap=0.0 if shared else None) + c.overhead["comm"]
+                           world=2.0 if shared else busy_ranks,
+                           gap=0.0 if shared else None) + c.overhead["comm"]
 
 
 def _rates(c: Cluster, plan: Plan) -> tuple[float, ...]:
