@@ -319,6 +319,11 @@ def test_pipeline_messages_take_calibrated_core_time_from_the_stages(tmp_path):
     assert timing._shared_inputs(model, plan, with_cpu, 4.0)[3]["post"] == pytest.approx(5e-4)
     assert timing._shared_inputs(model, plan, c, 4.0)[3]["post"] == 0.0
     assert timing.predict_time(SMALL, plan, with_cpu).makespan > timing.predict_time(SMALL, plan, c).makespan
+    for name, pp, v, M in (("gpipe", 2, 1, 4), ("1f1b", 4, 1, 8), ("interleaved", 4, 2, 8)):
+        # the busy ranks count the ops' core time: one send and one receive per message
+        p_ = Plan(1, 1, pp, M, 2, schedule=name, virtual_stages=v)
+        ops = sum(a.op.is_comm for acts in build(name, pp, M, v) for a in acts)
+        assert timing._post_share(p_, 1.0, 1.0) * pp == ops
     flat = Plan(4, 1, 1, 1, 2)  # no pipeline, no messages
     assert timing.predict_time(SMALL, flat, with_cpu).step_time == timing.predict_time(SMALL, flat, c).step_time
 

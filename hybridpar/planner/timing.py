@@ -313,7 +313,8 @@ def stage_times(m, plan: Plan, c: Cluster) -> list[float]:
     for _ in range(2):  # as ``predict_time``: the busy ranks re-estimated from a first run
         fwd, bwd, tc, extra = _shared_inputs(model, plan, c, busy_ranks)
         run = _simulate(plan.schedule, p, M, plan.virtual_stages, fwd, bwd, tc, c.sends, **extra)
-        busy_ranks = plan.world * (1.0 - run.bubble_fraction)
+        busy_ranks = plan.world * (1.0 - run.bubble_fraction
+                                   + _post_share(plan, extra["post"], run.makespan))
     return [busy / M for busy in run.busy]
 
 
@@ -356,6 +357,16 @@ def _message_time(model, plan: Plan, c: Cluster, busy_ranks: float, *, shared: b
                            gap=0.0 if shared else None) + c.overhead["comm"]
 
 
+def _post_share(plan: Plan, post: float, makespan: float) -> float:
+    """The share of the pipeline's rank-time spent on the messages' core work (``post``
+    seconds per op), busy as compute is: each of the p*v - 1 cuts between virtual stages
+    carries M activations and M gradients, each a send and a receive."""
+    if not post or makespan <= 0:
+        return 0.0
+    ops = 4 * (plan.pp * plan.virtual_stages - 1) * plan.microbatches
+    return post * ops / (plan.pp * makespan)
+
+
 def _rates(c: Cluster, plan: Plan) -> tuple[float, ...]:
     """Compute speed of each rank while n of a pipeline's p stages compute (n = 0..p): each
     stands for its tp peers and dp/cp replicas, which compute in lockstep with it, so
@@ -387,7 +398,8 @@ def predict_time(m, plan: Plan, c: Cluster, *, quick: bool = False) -> Predictio
         makespan, ends, bubble, method = _makespan(plan.schedule, p, plan.microbatches,
                                                    plan.virtual_stages, fwd, bwd, tc, quick,
                                                    c.sends, **extra)
-        busy_ranks = plan.world * (1.0 - bubble)
+        # busy: computing, or on the messages' core work (the busy ranks set both costs)
+        busy_ranks = plan.world * (1.0 - bubble + _post_share(plan, extra.get("post", 0.0), makespan))
         slow = c.contention(busy_ranks)
     post = []
     for s in range(p):
