@@ -23,9 +23,10 @@ in concurrent groups of that many busy ranks (``collectives_shared``: a peer tha
 descheduled when a collective starts must be woken first); the dp sync after the schedule,
 which every rank joins, at the whole world. A pipeline message, where the profile has its core
 time (``Cluster.p2p_cpu``), is that work on the shared cores for each send and receive (Gloo's
-transport thread wakes and handles the socket on the cores the stages compute on: 0.5-0.9 ms a
-message between matmuls on 2 cores, against 0.06 ms back to back), then its back-to-back
-latency; so the simulator plays out the wait for a descheduled peer and the compute it slows.
+transport thread wakes and handles the socket on the cores the stages compute on: 0.35-1.0 ms
+an op between matmuls on 2 cores, against 0.06 ms back to back), then the pair's back-to-back
+latency; so the simulator plays out the wait for a descheduled peer and the compute it slows,
+and counts that work as busy when it re-estimates the busy ranks.
 Without it, the message costs the in-situ time calibrated in concurrent groups, using no core.
 """
 from __future__ import annotations
