@@ -96,7 +96,7 @@ def main(argv=None) -> int:
         splits = {"count": tuple(pp_split(a.n_layers, pp)), "auto": split_for(spec_model, plan, c, "auto")}
         got: dict[str, list] = {k: [] for k in splits}
         for i in range(a.rounds):
-            # the order alternates: the second of two runs read slower in 3 of 4 runs here
+            # the order alternates: the split run second read slower in each of 5 runs here
             for name, split in list(splits.items())[::-1 if i % 2 else 1]:
                 cfg = Config(model=model, data=DataConfig(images="synthetic"),
                              parallel=ParallelConfig(dp=1, pp=pp, microbatches=a.microbatches,
