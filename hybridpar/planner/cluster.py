@@ -127,10 +127,7 @@ class Cluster:
         if t > 1 or len(table) < 2:
             return max(1.0, busy_ranks * t / self.cores)
         # measured: beyond cores/ranks, context switches and shared caches cost extra
-        k = min(max(busy_ranks, table[0][0]), table[-1][0])
-        i = max(1, bisect.bisect_left([x for x, _ in table], k))
-        (k0, f0), (k1, f1) = table[i - 1], table[i]
-        slow = f0 + (f1 - f0) * (k - k0) / (k1 - k0)
+        slow = _lerp(table, busy_ranks)
         if busy_ranks > table[-1][0]:
             slow *= busy_ranks / table[-1][0]
         return max(1.0, slow)
@@ -139,14 +136,7 @@ class Cluster:
         """``p2p_cpu`` at ``busy_ranks`` ranks sharing the cores: linear between the calibrated
         world sizes, clamped at the ends (0 where not calibrated)."""
         table = sorted(self.p2p_cpu.items())
-        if not table:
-            return 0.0
-        k = min(max(busy_ranks, table[0][0]), table[-1][0])
-        i = max(1, bisect.bisect_left([x for x, _ in table], k)) if len(table) > 1 else 0
-        if not i:
-            return table[0][1]
-        (k0, v0), (k1, v1) = table[i - 1], table[i]
-        return v0 + (v1 - v0) * (k - k0) / (k1 - k0)
+        return _lerp(table, busy_ranks) if table else 0.0
 
     def flop_rate(self, flops: float, threads: int = 1) -> float:
         """Achieved FLOP/s of one matmul of ``flops``, interpolated in log(flops)."""
@@ -252,6 +242,17 @@ PRESETS = {
                              "param": 2e-9},
                    cores=os.cpu_count() or 1, backend="gloo", dtype_bytes=4),
 }
+
+
+def _lerp(table: list[tuple[float, float]], k: float) -> float:
+    """The value of a sorted (k, value) table at ``k``: linear between its points, clamped at
+    its ends."""
+    if len(table) == 1:
+        return table[0][1]
+    k = min(max(k, table[0][0]), table[-1][0])
+    i = max(1, bisect.bisect_left([x for x, _ in table], k))
+    (k0, v0), (k1, v1) = table[i - 1], table[i]
+    return v0 + (v1 - v0) * (k - k0) / (k1 - k0)
 
 
 def load_cluster(spec: str, *, nodes: int | None = None, devices_per_node: int | None = None) -> Cluster:
