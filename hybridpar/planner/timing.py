@@ -314,8 +314,7 @@ def stage_times(m, plan: Plan, c: Cluster) -> list[float]:
     for _ in range(2):  # as ``predict_time``: the busy ranks re-estimated from a first run
         fwd, bwd, tc, extra = _shared_inputs(model, plan, c, busy_ranks)
         run = _simulate(plan.schedule, p, M, plan.virtual_stages, fwd, bwd, tc, c.sends, **extra)
-        busy_ranks = plan.world * (1.0 - run.bubble_fraction
-                                   + _post_share(plan, extra["post"], run.makespan))
+        busy_ranks = _busy_ranks(plan, run.bubble_fraction, extra["post"], run.makespan)
     return [busy / M for busy in run.busy]
 
 
@@ -368,6 +367,12 @@ def _post_share(plan: Plan, post: float, makespan: float) -> float:
     return post * ops / (plan.pp * makespan)
 
 
+def _busy_ranks(plan: Plan, bubble: float, post: float, makespan: float) -> float:
+    """Ranks wanting the cores on average over a simulated schedule: computing, or on the
+    messages' core work (the estimate both the contention and the calibrated costs use)."""
+    return plan.world * (1.0 - bubble + _post_share(plan, post, makespan))
+
+
 def _rates(c: Cluster, plan: Plan) -> tuple[float, ...]:
     """Compute speed of each rank while n of a pipeline's p stages compute (n = 0..p): each
     stands for its tp peers and dp/cp replicas, which compute in lockstep with it, so
@@ -399,8 +404,7 @@ def predict_time(m, plan: Plan, c: Cluster, *, quick: bool = False) -> Predictio
         makespan, ends, bubble, method = _makespan(plan.schedule, p, plan.microbatches,
                                                    plan.virtual_stages, fwd, bwd, tc, quick,
                                                    c.sends, **extra)
-        # busy: computing, or on the messages' core work (the busy ranks set both costs)
-        busy_ranks = plan.world * (1.0 - bubble + _post_share(plan, extra.get("post", 0.0), makespan))
+        busy_ranks = _busy_ranks(plan, bubble, extra.get("post", 0.0), makespan)
         slow = c.contention(busy_ranks)
     post = []
     for s in range(p):
