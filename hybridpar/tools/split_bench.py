@@ -5,10 +5,10 @@
 Trains the ResNet (whose blocks differ in cost: full-resolution blocks move more bytes per
 FLOP than the later, narrower-in-space ones, and a transition block adds a projection) at
 dp=1, pp=2 and pp=4, 1F1B, once with ``pp_split`` by count and once with the split the planner
-chooses, alternating the two over ``--rounds`` (each going first in every other round). Prints per layout: the blocks per stage, the
-predicted forward+backward of one micro-batch on each stage, the measured one (the stage's
-forward and backward actions summed over the step, over the micro-batches; median of the
-steps after the warm-up), the error of the slowest stage's prediction, the slowest stage's
+chooses, alternating the two over ``--rounds`` (each going first in every other round).
+Prints per layout: the blocks per stage, the predicted forward+backward of one micro-batch on
+each stage, the measured one (the stage's forward and backward actions summed over the step,
+over the micro-batches; median of the steps after the warm-up), the error of the slowest stage's prediction, the slowest stage's
 range over the rounds (the machine's noise, against which to read the error), and the measured
 step time with its ratio to the split by count measured in the same run.
 """

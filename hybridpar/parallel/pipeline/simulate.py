@@ -279,12 +279,12 @@ def _run(schedule: Schedule, n_stages: int, where: dict, duration: CostFn,
                         moved = True
                         continue
                     if (r, pos[r]) not in posted:
-                        cpu = sum(post_cpu(r, a) for a in step) if post_cpu else 0.0
-                        if cpu > 0 and (r, pos[r]) not in handled:
-                            started[r], state[r] = t, ("work", cpu, t)
-                            break
-                        if (r, pos[r]) not in handled:
+                        if (r, pos[r]) not in handled:  # the batch starts: its core work first
                             started[r] = t
+                            cpu = sum(post_cpu(r, a) for a in step) if post_cpu else 0.0
+                            if cpu > 0:
+                                state[r] = ("work", cpu, t)
+                                break
                         posted[r, pos[r]] = t
                         in_background.extend((r, a, t) for a in step if deferred and a.op.is_send)
                         moved = True
