@@ -1,5 +1,6 @@
-"""``fused_linear``: several Linears of one input as one GEMM, with the unfused Linears' values
-and gradients, and without keeping the concatenated weight for backward."""
+"""``fused_linear``: several Linears of one input as one GEMM (forced here with ``fuse=True``: it
+fuses on a GPU only), with the unfused Linears' values and gradients, and without keeping the
+concatenated weight for backward; on a CPU, by default, the Linears one by one."""
 from __future__ import annotations
 
 import pytest
@@ -18,7 +19,7 @@ def _run(linears, x, fused: bool):
     for lin in linears:
         lin.zero_grad(set_to_none=True)
     x = x.detach().clone().requires_grad_(True)
-    ys = fused_linear(x, linears) if fused else tuple(lin(x) for lin in linears)
+    ys = fused_linear(x, linears, fuse=True) if fused else tuple(lin(x) for lin in linears)
     sum((y * torch.arange(y.numel(), dtype=y.dtype).view_as(y).sin()).sum() for y in ys).backward()
     return ys, x.grad, [p.grad for lin in linears for p in lin.parameters()]
 
@@ -61,13 +62,13 @@ def test_no_weight_copy_is_kept_and_the_input_cast_once():
     unfused Linears keep one each; outputs are bf16 and gradients return in fp32."""
     linears = _linears(False, torch.float32)
     x = torch.randn(6, 12, requires_grad=True)
-    saved = _saved(lambda: fused_linear(x, linears))
+    saved = _saved(lambda: fused_linear(x, linears, fuse=True))
     params = {p.data_ptr() for lin in linears for p in lin.parameters()}
     assert all(t.data_ptr() in params or t is x for t in saved)
     assert not any(t.shape[0] == 16 for t in saved)
 
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        fused = _saved(lambda: fused_linear(x, linears))
+        fused = _saved(lambda: fused_linear(x, linears, fuse=True))
         separate = _saved(lambda: [lin(x) for lin in linears])
     casts = lambda ts: [t for t in ts if t.shape == x.shape and t.dtype == torch.bfloat16]  # noqa: E731
     assert len(casts(fused)) == 1 and len(casts(separate)) == 3
@@ -87,5 +88,22 @@ def test_meta_device():
     """The planner counts units on the meta device: shapes only, no data."""
     with torch.device("meta"):
         linears = _linears(False, torch.float32)
-        ys = fused_linear(torch.empty(2, 3, 12, requires_grad=True), linears)
+        ys = fused_linear(torch.empty(2, 3, 12, requires_grad=True), linears, fuse=True)
     assert [tuple(y.shape) for y in ys] == [(2, 3, 8), (2, 3, 4), (2, 3, 4)]
+
+
+def test_a_cpu_runs_the_linears_one_by_one():
+    """Off ``FUSE_ON`` (a CPU) each Linear is called as a module: its own GEMM, bit for bit the
+    separate Linears, and its hooks run."""
+    from hybridpar.models.fused import FUSE_ON
+
+    assert FUSE_ON == ("cuda",)
+    linears = _linears(False, torch.float32)
+    calls = []
+    for lin in linears:
+        lin.register_forward_hook(lambda mod, args, out: calls.append(mod))
+    x = torch.randn(2, 3, 12)
+    ys = fused_linear(x, linears)
+    assert calls == list(linears)
+    for y, lin in zip(ys, linears):
+        assert torch.equal(y, torch.nn.functional.linear(x, lin.weight))

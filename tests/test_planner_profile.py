@@ -61,9 +61,10 @@ def test_linear_and_conv_flops_equal_the_hand_formulas():
 def test_matmuls_read_the_weights_made_before_the_pass():
     """``Pass.weights``: what the matmuls read that is neither made in the pass nor grows with
     the batch. A linear's forward reads its weight and bias, its backward the weight once (the
-    input gradient; the weight gradient reads activations); the Llama block's q/k/v and w1/w3
-    weights are concatenated in the pass (``fused_linear``), so only wo and w2 are read cold.
-    The time is those bytes at the calibrated bandwidth, added to the FLOPs' time."""
+    input gradient; the weight gradient reads activations); the Llama block's seven weights
+    likewise, its projections unfused as on a CPU (``fused_linear`` concatenates them in the
+    pass, read hot, on a GPU only). The time is those bytes at the calibrated bandwidth, added
+    to the FLOPs' time."""
     prof = profile_spec(_toy_spec(), _toy_example)
     _, fc, out = prof.units
     assert fc.fwd["none"].weights == (256 * 32 + 32) * 4 and fc.bwd["none"].weights == 256 * 32 * 4
@@ -71,8 +72,8 @@ def test_matmuls_read_the_weights_made_before_the_pass():
     m = ModelConfig(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, d_ff=128, seq_len=32)
     spec = spec_for(m)
     block = profile_spec(spec, sm.example_batch(spec, m)).unit("layers.0")
-    wo_w2 = (64 * 64 + 128 * 64) * 4
-    assert block.fwd["none"].weights == wo_w2 and block.bwd["none"].weights == wo_w2
+    every = (64 * 64 + 2 * 32 * 64 + 64 * 64 + 3 * 128 * 64) * 4  # wq wk wv wo w1 w3 w2
+    assert block.fwd["none"].weights == every and block.bwd["none"].weights == every
     c = load_cluster("cpu")
     cold = replace(c, weight_bw={1: 1e9})
     kw = dict(threads=1, slow=1.0, tp=1, world=0)

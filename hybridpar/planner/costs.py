@@ -79,16 +79,21 @@ class Plan:
 
 # ---- FLOPs ----------------------------------------------------------------------------------
 
-def matmuls(m: ModelConfig, tokens: int, tp: int) -> list[tuple[str, float, float]]:
-    """(name, forward FLOPs, FLOPs as timed) of the GEMMs of one block on one tp rank (q/k/v
-    and w1/w3 are one GEMM each: ``fused_linear``);
-    ``tokens`` are this rank's queries, each attending to a whole sequence of s keys (under
-    cp the local share of every sequence: the zigzag split gives each rank half its keys
-    unmasked, as without cp)."""
+def matmuls(m: ModelConfig, tokens: int, tp: int, *, fused: bool = True) -> list[tuple[str, float, float]]:
+    """(name, forward FLOPs, FLOPs as timed) of the GEMMs of one block on one tp rank (``fused``:
+    q/k/v and w1/w3 one GEMM each, as ``fused_linear`` runs them on a GPU; else one per weight,
+    as on a CPU); ``tokens`` are this rank's queries, each attending to a whole sequence of s
+    keys (under cp the local share of every sequence: the zigzag split gives each rank half its
+    keys unmasked, as without cp)."""
     d, e, f, s = m.d_model, m.head_dim, m.d_ff, m.seq_len
     h, g = m.n_heads // tp, m.n_kv_heads // tp
-    out = [("wq|wk|wv", 2 * tokens * d * (h + 2 * g) * e), ("wo", 2 * tokens * h * e * d),
-           ("w1|w3", 2 * tokens * d * 2 * f / tp), ("w2", 2 * tokens * f / tp * d)]  # fused
+    if fused:
+        proj = [("wq|wk|wv", 2 * tokens * d * (h + 2 * g) * e)]
+        up = [("w1|w3", 2 * tokens * d * 2 * f / tp)]
+    else:
+        proj = [(n, 2 * tokens * d * k * e) for n, k in (("wq", h), ("wk", g), ("wv", g))]
+        up = [(n, 2 * tokens * d * f / tp) for n in ("w1", "w3")]
+    out = proj + [("wo", 2 * tokens * h * e * d)] + up + [("w2", 2 * tokens * f / tp * d)]
     core = 4.0 * tokens * s * h * e
     return [(n, x, x) for n, x in out] + [("attention", core, core / 2)]
 

@@ -166,10 +166,11 @@ def _reference() -> tuple[float, int, int]:
 
 
 def traffic_scale() -> float:
-    """Bytes of the calibrated elementwise model per profiled byte (the Llama block's ratio)."""
+    """Bytes of the calibrated elementwise model per profiled byte (the Llama block's ratio, as
+    a CPU runs it: its GEMMs unfused)."""
     from .timing import elementwise_bytes
     m = ModelConfig()
-    return elementwise_bytes(m, m.seq_len, 1, False, 4) / _reference()[0]
+    return elementwise_bytes(m, m.seq_len, 1, False, 4, fused=False) / _reference()[0]
 
 
 def op_overhead(c: Cluster, kind: str = "fwd") -> float:

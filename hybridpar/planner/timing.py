@@ -59,17 +59,24 @@ class Prediction:
     """'simulate', 'extrapolate' or 'closed form'."""
 
 
-def elementwise_bytes(m: ModelConfig, n: int, tp: int, sp: bool, a: int) -> float:
+def elementwise_bytes(m: ModelConfig, n: int, tp: int, sp: bool, a: int, *, fused: bool) -> float:
     """Memory traffic of the non-matmul work of one block's forward on n tokens: RMSNorms in
     fp32 (~24 passes of n*d), RoPE, kv-head repeats and the attention kernel's own traffic
     (~14 passes per query head, 10 per kv head), SwiGLU (~8 passes of n*f), tp output clones,
-    and ``fused_linear``'s concatenated q/k/v and w1/w3 weights (read and written once, whatever
-    n: it weighs on small micro-batches). Only the proportions matter: ``calibrate`` fits the bandwidth that turns these bytes into
-    the measured time of a real block, so they act as a per-shape weighting."""
+    and, ``fused`` (a GPU), ``fused_linear``'s concatenated q/k/v and w1/w3 weights (read and
+    written once, whatever n: it weighs on small micro-batches). Only the proportions matter:
+    ``calibrate`` fits the bandwidth that turns these bytes into the measured time of a real
+    block, so they act as a per-shape weighting."""
     d, e, f = m.d_model, m.head_dim, m.d_ff // tp
     h, g = m.n_heads // tp, m.n_kv_heads // tp
     return (4 * n * d * 24 / (tp if sp else 1) + a * (n * e * (14 * h + 10 * g) + 8 * n * f)
-            + (4 * a * n * d if tp > 1 else 0) + 2 * a * d * ((h + 2 * g) * e + 2 * f))
+            + (4 * a * n * d if tp > 1 else 0) + fused * 2 * a * d * ((h + 2 * g) * e + 2 * f))
+
+
+def fuses(c: Cluster) -> bool:
+    """Whether the Llama's q/k/v and w1/w3 GEMMs are fused on ``c``'s devices: on a GPU, not on
+    a CPU (``models.fused.FUSE_ON``)."""
+    return not c.cores
 
 
 def _threads(c: Cluster, plan: Plan) -> int:
@@ -91,13 +98,16 @@ def _chunk_costs(m: ModelConfig, plan: Plan, c: Cluster, *, layers: int, embed: 
     def mm(flops: float) -> float:
         return flops / c.flop_rate(flops, threads)
 
-    gemms = matmuls(m, n, t)
+    fused = fuses(c)
+    gemms = matmuls(m, n, t, fused=fused)
     core = next(x for name, _, x in gemms if name == "attention")
     mm_f = sum(mm(x) for _, _, x in gemms)
-    # the weights read cold, once a pass: wo and w2 (``fused_linear`` builds q/k/v's and
-    # w1/w3's in the pass, hot; its backward builds them again), as ``Pass.weights`` counts
-    cold = c.weight_time(sum(x for name, x, _ in gemms if name in ("wo", "w2")) / (2 * n) * a, threads)
-    ew_f = elementwise_bytes(m, n, t, sp, a) / bw
+    # the weights read cold, once a pass, as ``Pass.weights`` counts: every weight, or with
+    # ``fused_linear``'s GEMMs wo and w2 alone (it builds q/k/v's and w1/w3's in the pass, hot;
+    # its backward builds them again)
+    cold = c.weight_time(sum(x for name, x, _ in gemms if name != "attention"
+                             and (not fused or name in ("wo", "w2"))) / (2 * n) * a, threads)
+    ew_f = elementwise_bytes(m, n, t, sp, a, fused=fused) / bw
     ovh = c.overhead
     # the framework's dispatch is CPU work too: it slows down with the compute
     ovh_f, ovh_b = c.layer_overhead()
