@@ -9,6 +9,8 @@ Every check runs the library's own code path on ``--device`` (default: cuda when
   fp32         5 steps of the tiny Llama (evaluation on) on the device against the same run on
                the CPU, TF32 off: the engine's parity tolerances (step-1 loss and gradients 1e-5,
                later losses 1e-4): only the order of additions differs between the kernels
+               (the Llama's q/k/v and w1/w3 GEMMs are fused on the GPU, separate on the CPU:
+               ``fused_linear``; so this also checks the fused path against the separate one)
   bf16         the same in bf16 autocast against the CPU in bf16: the bf16 bounds of
                tests/test_memory_features.py (3.9e-3 step 1, 3.2e-2 later and gradients)
   recompute    selective and full recomputation on the device: bitwise the run without
