@@ -1,6 +1,6 @@
 """``fused_linear``: several Linears of one input as one GEMM (forced here with ``fuse=True``: it
-fuses on a GPU only), with the unfused Linears' values and gradients, and without keeping the
-concatenated weight for backward; on a CPU, by default, the Linears one by one."""
+fuses on a GPU and under autocast), with the unfused Linears' values and gradients, and without
+keeping the concatenated weight for backward; on a CPU in fp32, by default, the Linears one by one."""
 from __future__ import annotations
 
 import pytest
@@ -92,9 +92,10 @@ def test_meta_device():
     assert [tuple(y.shape) for y in ys] == [(2, 3, 8), (2, 3, 4), (2, 3, 4)]
 
 
-def test_a_cpu_runs_the_linears_one_by_one():
-    """Off ``FUSE_ON`` (a CPU) each Linear is called as a module: its own GEMM, bit for bit the
-    separate Linears, and its hooks run."""
+def test_a_cpu_in_fp32_runs_the_linears_one_by_one():
+    """Off ``FUSE_ON`` (a CPU) in fp32 each Linear is called as a module: its own GEMM, bit for
+    bit the separate Linears, and its hooks run. Under bf16 autocast there it fuses (one cast
+    of the input saved, no module call): one rounding of each input-gradient element."""
     from hybridpar.models.fused import FUSE_ON
 
     assert FUSE_ON == ("cuda",)
@@ -107,3 +108,9 @@ def test_a_cpu_runs_the_linears_one_by_one():
     assert calls == list(linears)
     for y, lin in zip(ys, linears):
         assert torch.equal(y, torch.nn.functional.linear(x, lin.weight))
+    calls.clear()
+    x.requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        saved = _saved(lambda: fused_linear(x, linears))
+    assert calls == []
+    assert len([t for t in saved if t.shape == x.shape and t.dtype == torch.bfloat16]) == 1

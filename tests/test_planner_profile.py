@@ -405,3 +405,19 @@ def test_plan_measure_units(capsys):
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="this machine, which has no GPU"):
             plan_main(["--model.name=vit", "--cluster", "h100-80g", "--measure-units"])
+
+
+def test_the_llama_model_fuses_the_projections_where_the_model_does():
+    """``timing.fuses``: a GPU cluster, or a CPU computing in bf16/fp16, runs q/k/v and w1/w3 as
+    one GEMM each (``models.fused.fuses``); a CPU in fp32 one per weight. The FLOPs are the
+    same either way, split into 7 GEMMs instead of 4."""
+    from hybridpar.planner.costs import matmuls
+    from hybridpar.planner.timing import fuses
+
+    cpu = load_cluster("cpu")
+    assert not fuses(cpu) and fuses(replace(cpu, dtype_bytes=2)) and fuses(load_cluster("h100-80g"))
+    m = ModelConfig(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, d_ff=128, seq_len=32)
+    for tp in (1, 2):
+        one, sep = matmuls(m, 32, tp, fused=True), matmuls(m, 32, tp, fused=False)
+        assert len(one) == 5 and len(sep) == 8  # + the attention core
+        assert sum(x for _, x, _ in one) == sum(x for _, x, _ in sep)

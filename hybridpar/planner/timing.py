@@ -74,9 +74,9 @@ def elementwise_bytes(m: ModelConfig, n: int, tp: int, sp: bool, a: int, *, fuse
 
 
 def fuses(c: Cluster) -> bool:
-    """Whether the Llama's q/k/v and w1/w3 GEMMs are fused on ``c``'s devices: on a GPU, not on
-    a CPU (``models.fused.FUSE_ON``)."""
-    return not c.cores
+    """Whether the Llama's q/k/v and w1/w3 GEMMs are fused on ``c``'s devices: on a GPU, and on
+    a CPU computing in bf16/fp16 (``models.fused.fuses``); not on a CPU in fp32."""
+    return not c.cores or c.dtype_bytes < 4
 
 
 def _threads(c: Cluster, plan: Plan) -> int:
