@@ -33,13 +33,17 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def _autocasting(dev: str) -> bool:
+    """Whether autocast is on for device type ``dev`` (its GEMMs then run in its lower dtype)."""
+    return torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev)
+
+
 class _FusedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, n, *params):
         weights, biases = params[:n], params[n:]
         dev, dtype = x.device.type, x.dtype
-        if (x.is_floating_point() and torch.amp.is_autocast_available(dev)
-                and torch.is_autocast_enabled(dev)):
+        if x.is_floating_point() and _autocasting(dev):
             dtype = torch.get_autocast_dtype(dev)
         xc, wc = x.to(dtype), [w.to(dtype) for w in weights]  # no copy when already in dtype
         b = torch.cat([b.to(dtype) for b in biases]) if biases else None
@@ -71,8 +75,7 @@ FUSE_ON = ("cuda",)
 def fuses(x: torch.Tensor) -> bool:
     """Whether ``fused_linear`` fuses for this input: its device is in ``FUSE_ON``, or autocast
     computes in a lower precision there."""
-    dev = x.device.type
-    return dev in FUSE_ON or (torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev))
+    return x.device.type in FUSE_ON or _autocasting(x.device.type)
 
 
 def fused_linear(x: torch.Tensor, linears: tuple[nn.Linear, ...], *,
