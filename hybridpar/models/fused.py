@@ -21,10 +21,9 @@ its last loss unfused, 8.8e-4 fused). In fp32 on a CPU the Linears run one by on
 products, so the same values to rounding): there the GEMMs run near the core's peak at any of
 these sizes, and the fused path's copies (the weights concatenated in each pass, the output
 gradients concatenated by the split's backward, the silu and product read from strided
-halves) cost more than the larger GEMM saves. Measured
-here, default model, fused against separate steps alternating: one process 1.740 / 1.699 s of
-CPU a step (+2.4%); a step's time at dp=2 1.019 / 0.993 s (+2.6%), at pp=2 1F1B 1.482 / 1.375
-and 1.344 / 1.243 s (+8%).
+halves) cost more than the larger GEMM saves. Measured here, default model, fused against
+separate steps alternating: one process 1.740 / 1.699 s of CPU a step (+2.4%); a step's time
+at dp=2 1.019 / 0.993 s (+2.6%), at pp=2 1F1B 1.482 / 1.375 and 1.344 / 1.243 s (+8%).
 """
 from __future__ import annotations
 

@@ -80,8 +80,9 @@ _SDPA_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 class Attention(nn.Module):
     """Grouped-query causal attention. Head counts are read from the weight shapes (``view(-1)``),
     so the same code runs on a tensor-parallel shard holding n_heads/tp and n_kv_heads/tp heads.
-    q, k and v are one GEMM on a GPU (``fused_linear``: three on a CPU) unless ``fused`` is set
-    False (DTensor's tp plans, which hook each Linear's own call)."""
+    q, k and v are one GEMM on a GPU or under bf16/fp16 autocast (``fused_linear``: three on a
+    CPU in fp32) unless ``fused`` is set False (DTensor's tp plans, which hook each Linear's own
+    call)."""
 
     fused = True
 
@@ -119,8 +120,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x); w1 and w3 are one GEMM on a GPU (``fused_linear``) unless
-    ``fused`` is False."""
+    """SwiGLU: w2(silu(w1 x) * w3 x); w1 and w3 are one GEMM on a GPU or under bf16/fp16
+    autocast (``fused_linear``) unless ``fused`` is False."""
 
     fused = True
 

@@ -89,7 +89,7 @@ class Pass:
     """Bytes the matmul-class calls read that neither the pass made nor scale with b: the
     parameters (a forward's weights, a backward's input-gradient products), streamed from
     beyond the core's cache at each use (``Cluster.weight_time``); a weight the pass builds
-    itself (``fused_linear``'s concatenation, on a GPU) is read hot and not counted."""
+    itself (``fused_linear``'s concatenation, when it fuses) is read hot and not counted."""
 
 
 @dataclass(frozen=True)

@@ -63,7 +63,7 @@ def elementwise_bytes(m: ModelConfig, n: int, tp: int, sp: bool, a: int, *, fuse
     """Memory traffic of the non-matmul work of one block's forward on n tokens: RMSNorms in
     fp32 (~24 passes of n*d), RoPE, kv-head repeats and the attention kernel's own traffic
     (~14 passes per query head, 10 per kv head), SwiGLU (~8 passes of n*f), tp output clones,
-    and, ``fused`` (a GPU), ``fused_linear``'s concatenated q/k/v and w1/w3 weights (read and
+    and, ``fused`` (``fuses``), ``fused_linear``'s concatenated q/k/v and w1/w3 weights (read and
     written once, whatever n: it weighs on small micro-batches). Only the proportions matter:
     ``calibrate`` fits the bandwidth that turns these bytes into the measured time of a real
     block, so they act as a per-shape weighting."""
