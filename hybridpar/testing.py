@@ -242,6 +242,15 @@ def join_world(rank: int, world: int, port: int, out: str, *, timeout_s: float |
     dist.init_process_group("gloo", **opts)
 
 
+def fused_cases_worker(cases: list[tuple[str, Config, str | None]], out_dir: str) -> None:
+    """``cases_worker`` with ``fused_linear`` fusing on the CPU too: the projections' path a
+    GPU runs in fp32, on Gloo ranks (each spawned rank is its own process)."""
+    from .models import fused
+
+    fused.FUSE_ON = (*fused.FUSE_ON, "cpu")
+    cases_worker(cases, out_dir)
+
+
 def run_cases(cases: dict[str, tuple[Config, str | None]], out_dir: str, *,
               world: int = 8) -> dict[str, dict]:
     """Spawn ``world`` ranks once, run every case ``name -> (config, injected bug)`` on them,

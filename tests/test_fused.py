@@ -114,3 +114,29 @@ def test_a_cpu_in_fp32_runs_the_linears_one_by_one():
         saved = _saved(lambda: fused_linear(x, linears))
     assert calls == []
     assert len([t for t in saved if t.shape == x.shape and t.dtype == torch.bfloat16]) == 1
+
+
+def test_training_with_the_fused_path_matches_one_process(monkeypatch, tmp_path):
+    """What a GPU runs in fp32, on Gloo: the fused projections through whole training steps
+    (tp=2 concatenates each rank's column shards, pp=2, evaluation on), against one process
+    also fusing, at the fp32 parity tolerances of tests/test_parity.py (a layout changes only
+    the order of additions). The one process is checked to take the fused path."""
+    from hybridpar.engine.launch import spawn
+    from hybridpar.models import fused
+    from hybridpar.testing import (fused_cases_worker, load_case, max_rel_tensor_err, reference,
+                                   rel_err, tiny_config)
+
+    cfg = tiny_config(tp=2, pp=2)
+    spawn(fused_cases_worker, 4, [("fused", cfg, None)], str(tmp_path))
+    got = load_case(str(tmp_path), "fused")
+    monkeypatch.setattr(fused, "FUSE_ON", ("cuda", "cpu"))
+    calls = []
+    apply = fused._FusedLinear.apply
+    monkeypatch.setattr(fused._FusedLinear, "apply", lambda *a: calls.append(1) or apply(*a))
+    ref = reference(cfg)
+    assert calls
+    errs = [rel_err(a, b) for a, b in zip(got["losses"], ref["losses"])]
+    assert len(errs) == 5 and errs[0] <= 1e-5 and max(errs) <= 1e-4, errs
+    assert max_rel_tensor_err(got["grads"], ref["grads"])[0] <= 1e-5
+    val = [rel_err(a, b) for a, b in zip(got["val_losses"], ref["val_losses"])]
+    assert len(val) == 2 and max(val) <= 1e-4, val
