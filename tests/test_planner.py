@@ -248,15 +248,18 @@ def test_calibration_takes_the_timings_it_compares_in_turns():
 
 
 def test_the_convolution_table_has_a_row_per_width():
-    """Each (channels, size) of the grid gives one forward and one backward entry, tagged with
-    its width (the planner interpolates between widths), the backward at twice the FLOPs."""
+    """Each (channels, size, stride) of the grid gives one forward and one backward entry, tagged
+    with its width (the planner interpolates between widths) and stride, the backward at twice
+    the FLOPs; a strided shape is the downsampling C -> 2C to half the size."""
     from hybridpar.tools.calibrate import CONV_SHAPES, conv_table
 
-    assert {c for c, _ in CONV_SHAPES} == {4, 8, 16, 32, 64, 128, 256}
-    fwd, bwd = conv_table(1, draws=2, shapes=((4, 4), (8, 4)))
-    assert [(f, c) for f, _, c in fwd] == [(2.0 * 8 * 4 * 4 * 9 * 16, 4), (2.0 * 8 * 8 * 8 * 9 * 16, 8)]
-    assert [(f, c) for f, _, c in bwd] == [(2 * f, c) for f, _, c in fwd]
-    assert all(r > 0 for _, r, _ in fwd + bwd)
+    assert {c for c, _, _ in CONV_SHAPES} == {4, 8, 16, 32, 64, 128, 256}
+    assert {s for _, _, s in CONV_SHAPES} == {1, 2}
+    fwd, bwd = conv_table(1, draws=2, shapes=((4, 4, 1), (8, 4, 1), (4, 8, 2)))
+    assert sorted((f, c, s) for f, _, c, s in fwd) == sorted(
+        [(2.0 * 8 * 4 * 4 * 9 * 16, 4, 1), (2.0 * 8 * 8 * 8 * 9 * 16, 8, 1), (2.0 * 8 * 4 * 8 * 9 * 16, 32 ** 0.5, 2)])
+    assert sorted((f, c, s) for f, _, c, s in bwd) == sorted((2 * f, c, s) for f, _, c, s in fwd)
+    assert all(r > 0 for _, r, _, _ in fwd + bwd)
 
 
 def test_a_profile_keeps_the_speed_it_was_measured_at(tmp_path):

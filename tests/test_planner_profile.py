@@ -310,7 +310,7 @@ def test_convolutions_are_timed_at_the_calibrated_convolution_rate(tmp_path):
     prof = profile_spec(_toy_spec(), _toy_example)
     conv = prof.units[0]
     width = (4 * C) ** 0.5  # channels per group: the geometric mean of the weight's out and in
-    assert conv.fwd["none"].convs == ((2 * 4 * H * H * C * 3 * 3, width),) and conv.fwd["none"].timed == ()
+    assert conv.fwd["none"].convs == ((2 * 4 * H * H * C * 3 * 3, width, 1),) and conv.fwd["none"].timed == ()
     c = load_cluster("cpu")
     slow = replace(c, conv={1: [(1e3, 1e8), (1e9, 1e9)]})
     path = tmp_path / "p.json"
@@ -337,6 +337,36 @@ def test_convolutions_are_timed_at_the_calibrated_convolution_rate(tmp_path):
     t = sm.pass_time(conv, "fwd", "none", loaded, 2, threads=1, slow=1.0, tp=1, world=0)[0]
     t0 = sm.pass_time(conv, "fwd", "none", c, 2, threads=1, slow=1.0, tp=1, world=0)[0]
     assert t > t0
+
+
+def test_a_strided_convolution_is_timed_at_the_strided_rows():
+    """The profile records each convolution's stride (the backward's too; a transposed one, an
+    upsampling, as 1), and the rate comes from the table's rows of that stride: a profile with
+    none (from before strides were calibrated) times every convolution by the stride-1 rows."""
+    from dataclasses import replace
+
+    class Down(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(4, 8, 3, stride=2, padding=1)
+            self.up = nn.ConvTranspose2d(8, 4, 2, stride=2)
+
+        def forward(self, x):
+            return self.up(self.conv(x))
+
+    spec = ModelSpec(name="down", build=Down, stem=(), blocks=("conv", "up"), head=(),
+                     loss=lambda out, y: F.mse_loss(out, y), data="denoising")
+    prof = profile_spec(spec, lambda b: (torch.zeros(b, 4, 8, 8), torch.zeros(b, 4, 8, 8)))
+    down, up = prof.unit("conv"), prof.unit("up")
+    assert down.fwd["none"].convs == ((2 * 8 * 4 * 4 * 4 * 3 * 3, 32 ** 0.5, 2),)
+    assert [st for _, _, st in down.bwd["none"].conv_grads] == [2]
+    assert [st for _, _, st in up.fwd["none"].convs + up.bwd["none"].conv_grads] == [1, 1]
+    rows = [(1e3, 1e8, 8, 1), (1e9, 1e9, 8, 1), (1e3, 5e7, 8, 2), (1e9, 5e8, 8, 2)]
+    c = replace(load_cluster("cpu"), conv={1: rows})
+    assert c.conv_rate(1e6, channels=8, stride=2) == pytest.approx(c.conv_rate(1e6, channels=8) / 2)
+    assert c.conv_rate(1e6, channels=8, stride=3) == c.conv_rate(1e6, channels=8, stride=2)
+    old = replace(c, conv={1: [r[:3] for r in rows[:2]]})
+    assert old.conv_rate(1e6, channels=8, stride=2) == old.conv_rate(1e6, channels=8) == c.conv_rate(1e6, channels=8)
 
 
 def test_pp_split_auto_is_a_valid_setting_and_nonsense_is_not():

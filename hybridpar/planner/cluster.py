@@ -47,11 +47,12 @@ class Cluster:
     mem_bw: dict = field(default_factory=dict)
     """{threads per rank: elementwise bytes/s}."""
     conv: dict = field(default_factory=dict)
-    """{threads per rank: [(convolution flops, achieved FLOP/s, channels), ...]}; empty: the
-    matmul table. The channels (per group, the geometric mean of input and output) tell shapes
-    of equal FLOPs apart: on a CPU a 16-channel 3x3 convolution runs at 70 GFLOP/s where a
-    64-channel one of the same FLOPs runs at 110 here. A profile from before the channels were
-    calibrated has (flops, FLOP/s) pairs, one table for every width."""
+    """{threads per rank: [(convolution flops, achieved FLOP/s, channels, stride), ...]}; empty:
+    the matmul table. The channels (per group, the geometric mean of input and output) tell
+    shapes of equal FLOPs apart, and the stride (1, or 2: a downsampling C -> 2C) a strided
+    convolution, which runs slower per FLOP (its backward at half the rate here). A profile from
+    before the strides has no fourth field (stride 1 for all), one from before the channels
+    (flops, FLOP/s) pairs, one table for every width."""
     conv_bwd: dict = field(default_factory=dict)
     """The same for a convolution's backward (input and weight gradients, 2x the FLOPs)."""
     weight_bw: dict = field(default_factory=dict)
@@ -143,18 +144,22 @@ class Cluster:
         return _rate(self.matmul, flops, threads)
 
     def conv_rate(self, flops: float, threads: int = 1, *, backward: bool = False,
-                  channels: float | None = None) -> float:
+                  channels: float | None = None, stride: int = 1) -> float:
         """Achieved FLOP/s of one convolution of ``flops`` with ``channels`` per group (input
         and output, geometric mean; ``backward``: its input and weight gradients, one call): the
         calibrated convolution tables, interpolated in log(flops) at each calibrated width and
-        between the two widths around ``channels`` in log(channels) (clamped at the ends), else
+        between the two widths around ``channels`` in log(channels) (clamped at the ends), from
+        the rows of its ``stride`` (1, or strided: the downsampling rows) where calibrated, else
         the matmul table (a GPU's implicit-GEMM convolutions run near the GEMM rate; a CPU's
         small ones do not)."""
         tables = self.conv_bwd if backward else self.conv
         if not tables:
             return _rate(self.matmul, flops, threads)
+        rows = _nearest(tables, threads)
+        strided = [r for r in rows if (r[3] if len(r) > 3 else 1) == min(stride, 2)]
+        rows = strided or [r for r in rows if len(r) < 4 or r[3] == 1]
         widths: dict = {}
-        for row in _nearest(tables, threads):
+        for row in rows:
             widths.setdefault(row[2] if len(row) > 2 and channels else None, []).append(row[:2])
         if len(widths) == 1:
             return _interp(sorted(next(iter(widths.values()))), flops)

@@ -79,10 +79,10 @@ class Pass:
     dp_comm: tuple[tuple[str, Linear], ...] = ()
     """(collective, bytes) of each collective over the data-parallel replicas inside the pass
     (SyncBatchNorm's statistics), in order."""
-    convs: tuple[tuple[float, float], ...] = ()
-    """(FLOPs per sample, channels per group) of each convolution call: timed at the
-    convolution rate for its width."""
-    conv_grads: tuple[tuple[float, float], ...] = ()
+    convs: tuple[tuple[float, float, int], ...] = ()
+    """(FLOPs per sample, channels per group, stride) of each convolution call: timed at the
+    convolution rate for its width and stride."""
+    conv_grads: tuple[tuple[float, float, int], ...] = ()
     """The same of each convolution backward (input + weight gradients in one call): timed at
     the convolution backward rate."""
     weights: float = 0.0
@@ -146,8 +146,8 @@ class _Counter(torch.utils._python_dispatch.TorchDispatchMode):
         self.registry = flop_registry
         self.matmuls: list[float] = []
         self.timed: list[float] = []
-        self.convs: list[tuple[float, float]] = []
-        self.conv_grads: list[tuple[float, float]] = []
+        self.convs: list[tuple[float, float, int]] = []
+        self.conv_grads: list[tuple[float, float, int]] = []
         self.read = 0.0  # bytes the matmul-class calls read from tensors made before the pass
         self.traffic = 0.0
         self.comm: list[tuple[str, float]] = []
@@ -198,7 +198,7 @@ class _Counter(torch.utils._python_dispatch.TorchDispatchMode):
                              if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in self.created)
             if "conv" in name:  # convolutions and their gradients, each at its own rate
                 (self.conv_grads if "backward" in name else self.convs).append(
-                    (flops, _conv_channels(name, args)))
+                    (flops, *_conv_shape(name, args)))
             else:
                 self.timed.append(flops)
         elif not func.is_view:
@@ -207,13 +207,16 @@ class _Counter(torch.utils._python_dispatch.TorchDispatchMode):
         return out
 
 
-def _conv_channels(name: str, args) -> float:
-    """Channels per group of a convolution call, the geometric mean of its input's and output's
-    (the width the calibrated rate depends on): the weight is (out, in / groups, k...) or,
-    transposed, (in, out / groups, k...); ``convolution_backward`` takes it third."""
+def _conv_shape(name: str, args) -> tuple[float, int]:
+    """(channels per group, stride) of a convolution call: the channels are the geometric mean
+    of its input's and output's (the width the calibrated rate depends on), the stride its
+    largest (1 for a transposed one, an upsampling, which the strided rows do not describe): the
+    weight is (out, in / groups, k...) or, transposed, (in, out / groups, k...);
+    ``convolution_backward`` takes the weight third, the stride fifth, transposed eighth."""
     backward = "backward" in name
     w, groups = args[2 if backward else 1], args[9 if backward else 8]
-    return (w.shape[0] / groups * w.shape[1]) ** 0.5
+    stride, transposed = args[4 if backward else 3], args[7 if backward else 6]
+    return (w.shape[0] / groups * w.shape[1]) ** 0.5, 1 if transposed else int(max(stride, default=1))
 
 
 def _flat(x):

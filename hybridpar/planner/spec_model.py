@@ -195,9 +195,10 @@ def pass_time(u: UnitProfile, kind: str, recompute: str, c: Cluster, b: int, *, 
     scale = c.dtype_bytes / 4
     if measured is None:
         mm = (sum(b * f / c.flop_rate(b * f, threads) for f in ps.timed if f > 0)
-              + sum(b * f / c.conv_rate(b * f, threads, channels=ch) for f, ch in ps.convs if f > 0)
-              + sum(b * f / c.conv_rate(b * f, threads, backward=True, channels=ch)
-                    for f, ch in ps.conv_grads if f > 0))
+              + sum(b * f / c.conv_rate(b * f, threads, channels=ch, stride=st)
+                    for f, ch, st in ps.convs if f > 0)
+              + sum(b * f / c.conv_rate(b * f, threads, backward=True, channels=ch, stride=st)
+                    for f, ch, st in ps.conv_grads if f > 0))
         ew = max(ps.traffic.at(b), 0.0) * scale * traffic_scale() / c.elementwise_bw(threads)
         cold = c.weight_time(ps.weights * scale, threads)
         measured = mm + cold + ew + ps.ops * op_overhead(c, kind)

@@ -107,25 +107,37 @@ def weight_bw(threads: int, tokens: int = 64, rotate: int = 64 << 20) -> float:
     return min(statistics.median(rates), 1e13)
 
 
-CONV_SHAPES = tuple((c, h) for c in (4, 8, 16, 32, 64, 128, 256) for h in (2, 4, 8, 16, 32)
-                    if c <= 64 or h <= 16)
-"""(channels, image size) of the convolution table: every width at several sizes."""
+CONV_SHAPES = tuple((c, h, 1) for c in (4, 8, 16, 32, 64, 128, 256) for h in (2, 4, 8, 16, 32)
+                    if c <= 64 or h <= 16) + tuple((c, h, 2) for c in (4, 8, 16, 32, 64, 128)
+                                                   for h in (4, 8, 16, 32) if c <= 32 or h <= 16)
+"""(input channels, input size, stride) of the convolution table: every width at several sizes,
+C -> C at stride 1 and the downsampling C -> 2C at stride 2."""
 
 
 def conv_table(threads: int, draws: int = 6, shapes=CONV_SHAPES
-               ) -> tuple[list[tuple[float, float, int]], list[tuple[float, float, int]]]:
-    """([(flops, FLOP/s, channels)] forward, the same backward) of 3x3 convolutions of a CNN's
-    shapes (8 images, C -> C channels at H x H, each C at H = 2 .. 32); a backward computes the
-    input and weight gradients, twice the FLOPs. The rate depends on the width as well as the
-    FLOPs (here a 16-channel convolution runs at 70 GFLOP/s, a 64-channel one of the same FLOPs
-    at 110), so each width has its own row. A rate by FLOPs alone cannot tell kernel sizes
-    apart either (a 1x1 convolution of the same FLOPs runs several times faster here): the
-    table is of the 3x3 kernels CNNs spend their time in.
+               ) -> tuple[list[tuple[float, float, float, int]], list[tuple[float, float, float, int]]]:
+    """([(flops, FLOP/s, channels, stride)] forward, the same backward) of 3x3 convolutions of a
+    CNN's shapes (8 images, C -> C channels at H x H, each C at H = 2 .. 32, and the downsampling
+    C -> 2C at stride 2, whose channels are the geometric mean sqrt(2) C); a backward computes
+    the input and weight gradients, twice the FLOPs. The rate depends on the width as well as
+    the FLOPs (here a 16-channel convolution runs at 70 GFLOP/s, a 64-channel one of the same
+    FLOPs at 110), so each width has its own row, and on the stride: a strided backward ran at
+    30 GFLOP/s where a stride-1 one of the same FLOPs and width ran at 60, and a ResNet's
+    transition blocks were costed 35% under their time. A rate by FLOPs alone cannot tell
+    kernel sizes apart either (a 1x1 convolution of the same FLOPs runs several times faster
+    here): the table is of the 3x3 kernels CNNs spend their time in.
 
     Each shape is timed with its tensors at ``draws`` random offsets within a page, and its
     time is their mean: on this CPU a convolution ran at half speed with some placements of its
     tensors (50 against 100 GFLOP/s, 32 channels at 32 x 32; 4 KiB aliasing between the loads
-    of one and the stores of another), and a training step's tensors land anywhere."""
+    of one and the stores of another), and a training step's tensors land anywhere. The mean
+    leaves out the fastest and the slowest draw: one draw stalled by the machine read 8x (a
+    strided backward at 2.4 ms where its other draws and later timings read 0.3-0.6). The
+    draws are taken in rounds over all the shapes, so that each shape's mean spans the whole
+    table's time: timed one shape after another, the machine's drift between seconds went into
+    the widths' ratios (32 channels at 8 x 8 read 62 GFLOP/s where the same shape read 72-80 in
+    four later tables, 16 and 64 channels 75 and 83), and the planner costed a ResNet's blocks
+    by width 20-27% apart where they ran within 10%."""
     import torch
     import torch.nn.functional as F
 
@@ -139,22 +151,31 @@ def conv_table(threads: int, draws: int = 6, shapes=CONV_SHAPES
         off = 16 * pick.randrange(64)
         return torch.empty(n + 1024)[off:off + n].view(shape).normal_()
 
-    fwd, bwd = [], []
-    for c, h in shapes:
-        flops = 2.0 * 8 * c * c * 9 * h * h
-        t_f = t_b = 0.0
-        for _ in range(draws):
+    t_f: list[list[float]] = [[] for _ in shapes]
+    t_b: list[list[float]] = [[] for _ in shapes]
+    for _ in range(draws):
+        for i, (c, h, s) in enumerate(shapes):
             x = placed(8, c, h, h).requires_grad_()
-            w = placed(c, c, 3, 3).requires_grad_()
-            g = placed(8, c, h, h)
-            f, fb = _timeit_many([lambda: F.conv2d(x, w, padding=1),
-                                  lambda: torch.autograd.grad(F.conv2d(x, w, padding=1), (x, w), g)],
+            w = placed(c * s, c, 3, 3).requires_grad_()
+            g = placed(8, c * s, h // s, h // s)
+            f, fb = _timeit_many([lambda: F.conv2d(x, w, stride=s, padding=1),
+                                  lambda: torch.autograd.grad(F.conv2d(x, w, stride=s, padding=1), (x, w), g)],
                                  min_s=0.02, reps=2)
-            t_f, t_b = t_f + f / draws, t_b + (fb - f) / draws
-        for rows, f, t in ((fwd, flops, t_f), (bwd, 2 * flops, t_b)):
+            t_f[i].append(f)
+            t_b[i].append(fb - f)
+    fwd, bwd = [], []
+    for (c, h, s), tf, tb in zip(shapes, map(_trimmed_mean, t_f), map(_trimmed_mean, t_b)):
+        flops = 2.0 * 8 * c * c * s * 9 * (h // s) ** 2
+        for rows, f, t in ((fwd, flops, tf), (bwd, 2 * flops, tb)):
             if t > 0:
-                rows.append((f, f / t, c))
+                rows.append((f, f / t, c * s ** 0.5, s))
     return sorted(fwd), sorted(bwd)
+
+
+def _trimmed_mean(xs: list[float]) -> float:
+    """The mean of ``xs`` without its smallest and largest (with at least 4 of them)."""
+    xs = sorted(xs)[1:-1] if len(xs) >= 4 else xs
+    return sum(xs) / len(xs)
 
 
 def _median_step(model, *, mb: int, microbatches: int, threads: int, data, steps: int, warmup: int) -> float:
@@ -468,7 +489,7 @@ def calibrate(ranks: tuple[int, ...] = (2, 4, 8), *, log=print) -> Cluster:
     log(f"matmul: best {max(r for _, r in matmul[1]) / 1e9:.1f} GFLOP/s on 1 thread ({time.time() - t0:.0f} s)")
     tables = {t: conv_table(t) for t in thread_counts}
     conv, conv_bwd = ({t: v[i] for t, v in tables.items()} for i in (0, 1))
-    log(f"convolutions: {min(r for _, r, _ in conv[1]) / 1e9:.1f} .. {max(r for _, r, _ in conv[1]) / 1e9:.1f} "
+    log(f"convolutions: {min(r for _, r, *_ in conv[1]) / 1e9:.1f} .. {max(r for _, r, *_ in conv[1]) / 1e9:.1f} "
         f"GFLOP/s on 1 thread")
     cold = {t: weight_bw(t) for t in thread_counts}
     log("weights read cold: " + ", ".join(f"{v / 1e9:.1f} GB/s on {t} threads" for t, v in cold.items()))
