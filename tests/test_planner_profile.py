@@ -340,27 +340,32 @@ def test_convolutions_are_timed_at_the_calibrated_convolution_rate(tmp_path):
 
 
 def test_a_strided_convolution_is_timed_at_the_strided_rows():
-    """The profile records each convolution's stride (the backward's too; a transposed one, an
-    upsampling, as 1), and the rate comes from the table's rows of that stride: a profile with
-    none (from before strides were calibrated) times every convolution by the stride-1 rows."""
+    """The profile records a downsampling convolution's stride (the backward's too), and the rate
+    comes from the table's rows of that stride; a patch embedding (stride = kernel), a 1x1
+    strided shortcut and a transposed convolution count as stride 1. A profile with no strided
+    rows (from before they were calibrated) times every convolution by the stride-1 rows."""
     from dataclasses import replace
 
     class Down(nn.Module):
         def __init__(self):
             super().__init__()
             self.conv = nn.Conv2d(4, 8, 3, stride=2, padding=1)
-            self.up = nn.ConvTranspose2d(8, 4, 2, stride=2)
+            self.patch = nn.Conv2d(8, 8, 2, stride=2)
+            self.short = nn.Conv2d(8, 8, 1, stride=2)
+            self.up = nn.ConvTranspose2d(8, 4, 8, stride=8)
 
         def forward(self, x):
-            return self.up(self.conv(x))
+            return self.up(self.short(self.patch(self.conv(x))))
 
-    spec = ModelSpec(name="down", build=Down, stem=(), blocks=("conv", "up"), head=(),
+    spec = ModelSpec(name="down", build=Down, stem=(), blocks=("conv", "patch", "short", "up"), head=(),
                      loss=lambda out, y: F.mse_loss(out, y), data="denoising")
     prof = profile_spec(spec, lambda b: (torch.zeros(b, 4, 8, 8), torch.zeros(b, 4, 8, 8)))
-    down, up = prof.unit("conv"), prof.unit("up")
+    down = prof.unit("conv")
     assert down.fwd["none"].convs == ((2 * 8 * 4 * 4 * 4 * 3 * 3, 32 ** 0.5, 2),)
     assert [st for _, _, st in down.bwd["none"].conv_grads] == [2]
-    assert [st for _, _, st in up.fwd["none"].convs + up.bwd["none"].conv_grads] == [1, 1]
+    for name in ("patch", "short", "up"):
+        u = prof.unit(name)
+        assert [st for _, _, st in u.fwd["none"].convs + u.bwd["none"].conv_grads] == [1, 1], name
     rows = [(1e3, 1e8, 8, 1), (1e9, 1e9, 8, 1), (1e3, 5e7, 8, 2), (1e9, 5e8, 8, 2)]
     c = replace(load_cluster("cpu"), conv={1: rows})
     assert c.conv_rate(1e6, channels=8, stride=2) == pytest.approx(c.conv_rate(1e6, channels=8) / 2)

@@ -208,15 +208,20 @@ class _Counter(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 def _conv_shape(name: str, args) -> tuple[float, int]:
-    """(channels per group, stride) of a convolution call: the channels are the geometric mean
-    of its input's and output's (the width the calibrated rate depends on), the stride its
-    largest (1 for a transposed one, an upsampling, which the strided rows do not describe): the
-    weight is (out, in / groups, k...) or, transposed, (in, out / groups, k...);
-    ``convolution_backward`` takes the weight third, the stride fifth, transposed eighth."""
+    """(channels per group, stride) of a convolution call. The channels are the geometric mean
+    of its input's and output's (the width the calibrated rate depends on): the weight is (out,
+    in / groups, k...) or, transposed, (in, out / groups, k...). The stride is its largest where
+    the windows overlap (a stride below the kernel: the downsampling convolution the strided
+    rows of the table time), else 1: a patch embedding (stride = kernel) is one GEMM, a 1x1
+    strided shortcut and a transposed convolution (an upsampling) are not what those rows
+    measured. ``convolution_backward`` takes the weight third, the stride fifth, transposed
+    eighth."""
     backward = "backward" in name
     w, groups = args[2 if backward else 1], args[9 if backward else 8]
     stride, transposed = args[4 if backward else 3], args[7 if backward else 6]
-    return (w.shape[0] / groups * w.shape[1]) ** 0.5, 1 if transposed else int(max(stride, default=1))
+    windows = [(s, k) for s, k in zip(stride, w.shape[2:]) if s > 1]
+    strided = not transposed and windows and all(s < k for s, k in windows)
+    return (w.shape[0] / groups * w.shape[1]) ** 0.5, int(max(stride)) if strided else 1
 
 
 def _flat(x):

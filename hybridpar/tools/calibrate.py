@@ -131,8 +131,8 @@ def conv_table(threads: int, draws: int = 6, shapes=CONV_SHAPES
     time is their mean: on this CPU a convolution ran at half speed with some placements of its
     tensors (50 against 100 GFLOP/s, 32 channels at 32 x 32; 4 KiB aliasing between the loads
     of one and the stores of another), and a training step's tensors land anywhere. The mean
-    leaves out the fastest and the slowest draw: one draw stalled by the machine read 8x (a
-    strided backward at 2.4 ms where its other draws and later timings read 0.3-0.6). The
+    leaves out draws over 3x the median, the machine's stalls: one draw read 8x (a strided
+    backward at 2.4 ms where its other draws and later timings read 0.3-0.6). The
     draws are taken in rounds over all the shapes, so that each shape's mean spans the whole
     table's time: timed one shape after another, the machine's drift between seconds went into
     the widths' ratios (32 channels at 8 x 8 read 62 GFLOP/s where the same shape read 72-80 in
@@ -164,7 +164,7 @@ def conv_table(threads: int, draws: int = 6, shapes=CONV_SHAPES
             t_f[i].append(f)
             t_b[i].append(fb - f)
     fwd, bwd = [], []
-    for (c, h, s), tf, tb in zip(shapes, map(_trimmed_mean, t_f), map(_trimmed_mean, t_b)):
+    for (c, h, s), tf, tb in zip(shapes, map(_mean_of_draws, t_f), map(_mean_of_draws, t_b)):
         flops = 2.0 * 8 * c * c * s * 9 * (h // s) ** 2
         for rows, f, t in ((fwd, flops, tf), (bwd, 2 * flops, tb)):
             if t > 0:
@@ -172,10 +172,12 @@ def conv_table(threads: int, draws: int = 6, shapes=CONV_SHAPES
     return sorted(fwd), sorted(bwd)
 
 
-def _trimmed_mean(xs: list[float]) -> float:
-    """The mean of ``xs`` without its smallest and largest (with at least 4 of them)."""
-    xs = sorted(xs)[1:-1] if len(xs) >= 4 else xs
-    return sum(xs) / len(xs)
+def _mean_of_draws(xs: list[float]) -> float:
+    """The mean of ``xs`` without the draws over 3x their median: a placement's slow-down (up
+    to 2x) is kept, a stall of the machine is not."""
+    med = statistics.median(xs)
+    kept = [x for x in xs if x <= 3 * med]
+    return sum(kept) / len(kept)
 
 
 def _median_step(model, *, mb: int, microbatches: int, threads: int, data, steps: int, warmup: int) -> float:
