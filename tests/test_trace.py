@@ -188,3 +188,30 @@ def test_replay_reproduces_a_run_with_uneven_times_and_message_costs(schedule, v
     for (measured, replayed), want in zip(got["pairs"], bubbles):
         assert measured == pytest.approx(want, abs=1e-9)
         assert replayed == pytest.approx(want, abs=1e-9)
+
+
+def test_each_action_reports_its_thread_cpu_time():
+    """``runner.action_cpu``, read in ``on_action``, is the thread CPU time of the action just
+    done (``split_bench`` parts a stage's wall time into its compute and the waits for the
+    cores): positive for every forward and backward, and never above the action's wall time,
+    as one thread computes it."""
+    import time
+
+    from hybridpar.engine.train import Trainer
+    from hybridpar.parallel.pipeline.schedules import Op
+    from hybridpar.testing import single_mesh, tiny_dataset
+
+    tr = Trainer(tiny_config(steps=1), single_mesh(), tiny_dataset())
+    seen = []
+
+    def on_action(a, t0, t1):
+        if a.op in (Op.FWD, Op.BWD):
+            seen.append((t1 - t0, tr.runner.action_cpu))
+        end = time.thread_time() + 0.002  # CPU spent between actions: no action may count it
+        while time.thread_time() < end:
+            pass
+
+    tr.runner.on_action = on_action
+    tr.train_step()
+    assert len(seen) == 2 * M
+    assert all(0 < cpu <= wall + 1e-4 for wall, cpu in seen), seen

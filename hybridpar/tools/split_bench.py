@@ -10,7 +10,11 @@ Prints per layout: the blocks per stage, the predicted forward+backward of one m
 each stage, the measured one (the stage's forward and backward actions summed over the step,
 over the micro-batches; median of the steps after the warm-up), the error of the slowest stage's prediction, the slowest stage's
 range over the rounds (the machine's noise, against which to read the error), and the measured
-step time with its ratio to the split by count measured in the same run.
+step time with its ratio to the split by count measured in the same run. A second table parts
+the error in two: each stage's compute alone as modelled against the thread CPU time its
+actions measured (the cost model), and the wall over that CPU time, measured against the
+prediction over the modelled compute alone (the sharing of the cores by the ranks and their
+messages, which the simulator plays out).
 """
 from __future__ import annotations
 
@@ -31,30 +35,35 @@ def _worker(cfg: Config, steps: int) -> dict | None:
 
     mesh = setup(cfg)
     trainer = Trainer(cfg, mesh)
-    busy = [0.0]
+    busy = [0.0, 0.0]  # wall, this thread's CPU
 
     def on_action(a, t0, t1):
         if a.op in (Op.FWD, Op.BWD):
             busy[0] += t1 - t0
+            busy[1] += trainer.runner.action_cpu
 
     trainer.runner.on_action = on_action
-    per_step, steps_s = [], []
+    per_step, cpu, steps_s = [], [], []
+    M = cfg.parallel.microbatches
     for _ in range(steps):
-        busy[0] = 0.0
+        busy[:] = [0.0, 0.0]
         h = trainer.train_step()
-        per_step.append(busy[0] / cfg.parallel.microbatches)
+        per_step.append(busy[0] / M)
+        cpu.append(busy[1] / M)
         steps_s.append(h["step_time_s"])
-    out = [(mesh.pp_rank, per_step)] * mesh.layout.world_size
+    mine = (mesh.pp_rank, per_step, cpu)
+    out = [mine] * mesh.layout.world_size
     if dist.is_initialized():
-        dist.all_gather_object(out, (mesh.pp_rank, per_step))
+        dist.all_gather_object(out, mine)
     del trainer
     teardown(mesh)
     if mesh.rank:
         return None
-    stages = {}
-    for stage, times in out:
+    stages, cpus = {}, {}
+    for stage, times, c in out:
         stages.setdefault(stage, times)
-    return {"stages": stages, "step_times": steps_s}
+        cpus.setdefault(stage, c)
+    return {"stages": stages, "cpu": cpus, "step_times": steps_s}
 
 
 def main(argv=None) -> int:
@@ -62,7 +71,7 @@ def main(argv=None) -> int:
     from ..planner.cluster import load_cluster
     from ..planner.costs import Plan
     from ..planner.spec_model import SpecModel, split_for
-    from ..planner.timing import stage_times
+    from ..planner.timing import costing, stage_times
     from .calibrate import speed_drift
 
     ap = argparse.ArgumentParser(prog="python -m hybridpar.tools.split_bench")
@@ -88,7 +97,7 @@ def main(argv=None) -> int:
           f"before: {speed_drift(base)}\n", flush=True)
     head = (f"{'pp':>2} {'split':>8} {'blocks':>10} {'pred stage ms':>28} {'meas stage ms':>28} "
             f"{'slowest err':>11} {'rounds ms':>11} {'step s':>7} {'vs count':>8}")
-    rows = []
+    rows, parts = [], []
     for pp in a.pps:
         c = replace(base, nodes=1, devices_per_node=pp)
         plan = Plan(1, 1, pp, a.microbatches, a.global_batch // a.microbatches)
@@ -108,8 +117,13 @@ def main(argv=None) -> int:
         for name, split in splits.items():
             spec_model.pp_split = ",".join(map(str, split))  # the profile is kept
             pred = stage_times(spec_model, plan, c)
+            alone = [f + b for f, b, *_ in costing(spec_model, plan, c).chunks(1.0, float(pp))]
             meas = [statistics.median(t for r in got[name] for t in r["stages"][s][a.warmup:])
                     for s in range(pp)]
+            cpu = [statistics.median(t for r in got[name] for t in r["cpu"][s][a.warmup:])
+                   for s in range(pp)]
+            parts.append((pp, name, alone, cpu, [p / x for p, x in zip(pred, alone)],
+                          [m / x for m, x in zip(meas, cpu)]))
             step = statistics.median(t for r in got[name] for t in r["step_times"][a.warmup:])
             rounds = [max(statistics.median(r["stages"][s][a.warmup:]) for s in range(pp)) for r in got[name]]
             rows.append((pp, name, split, pred, meas, step, rounds))
@@ -121,6 +135,14 @@ def main(argv=None) -> int:
               f"{' '.join(f'{1e3 * x:6.2f}' for x in pred):>28} {' '.join(f'{1e3 * x:6.2f}' for x in meas):>28} "
               f"{err:+11.1%} {1e3 * min(rounds):5.1f}-{1e3 * max(rounds):<5.1f} {step:7.3f} "
               f"{count_step[pp] / step:7.2f}x")
+    head = (f"\n{'pp':>2} {'split':>8} {'model alone ms':>28} {'thread CPU ms':>28} {'alone err':>9} "
+            f"{'pred/alone':>20} {'wall/CPU':>20}")
+    print(head + "\n" + "-" * len(head.strip()))
+    for pp, name, alone, cpu, pred_x, meas_x in parts:
+        print(f"{pp:2d} {name:>8} {' '.join(f'{1e3 * x:6.2f}' for x in alone):>28} "
+              f"{' '.join(f'{1e3 * x:6.2f}' for x in cpu):>28} "
+              f"{(max(alone) - max(cpu)) / max(cpu):+9.1%} {' '.join(f'{x:4.2f}' for x in pred_x):>20} "
+              f"{' '.join(f'{x:4.2f}' for x in meas_x):>20}")
     return 0
 
 

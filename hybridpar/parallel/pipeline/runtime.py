@@ -53,6 +53,7 @@ class PipelineRunner:
     loss_fn: Callable
     eval_fn: Callable | None = None  # (output, targets) -> metric tensor, in evaluation only
     on_action: Callable | None = None  # (action, t_start, t_end) for tracing
+    action_cpu: float = 0.0  # this thread's CPU seconds in the action just done (on_action reads it)
     meter: object | None = None  # memory.ActivationMeter
     sends: str | None = None  # the simulator's name for what the transport did: set by _comm
 
@@ -180,7 +181,7 @@ class PipelineRunner:
 
     def _run(self, actions: list[Action], inputs: list, targets: list, st: StepState) -> None:
         for batch in steps(actions):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             a = batch[0]
             if a.op.is_comm:
                 self._comm(batch, st)
@@ -191,7 +192,7 @@ class PipelineRunner:
                 activity.mark("backward", a.mb)
                 self._backward(a, st)
             if self.on_action is not None:
-                t1 = time.perf_counter()
+                t1, self.action_cpu = time.perf_counter(), time.thread_time() - c0
                 for done in batch:
                     self.on_action(done, t0, t1)
         self._drain(st)
