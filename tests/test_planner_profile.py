@@ -63,8 +63,8 @@ def test_matmuls_read_the_weights_made_before_the_pass():
     the batch. A linear's forward reads its weight and bias, its backward the weight once (the
     input gradient; the weight gradient reads activations); the Llama block's seven weights
     likewise, its projections unfused as on a CPU in fp32 (``fused_linear`` concatenates them in
-    the pass, read hot, on a GPU or under autocast). The time is those bytes at the calibrated bandwidth, added
-    to the FLOPs' time."""
+    the pass, read hot, on a GPU or under autocast). The time is those bytes at the calibrated
+    bandwidth, added to the FLOPs' time."""
     prof = profile_spec(_toy_spec(), _toy_example)
     _, fc, out = prof.units
     assert fc.fwd["none"].weights == (256 * 32 + 32) * 4 and fc.bwd["none"].weights == 256 * 32 * 4

@@ -156,8 +156,12 @@ class Cluster:
         if not tables:
             return _rate(self.matmul, flops, threads)
         rows = _nearest(tables, threads)
-        strided = [r for r in rows if (r[3] if len(r) > 3 else 1) == min(stride, 2)]
-        rows = strided or [r for r in rows if len(r) < 4 or r[3] == 1]
+
+        def stride_of(row) -> int:  # rows from before strides were calibrated are stride 1
+            return row[3] if len(row) > 3 else 1
+
+        rows = ([r for r in rows if stride_of(r) == min(stride, 2)]
+                or [r for r in rows if stride_of(r) == 1])
         widths: dict = {}
         for row in rows:
             widths.setdefault(row[2] if len(row) > 2 and channels else None, []).append(row[:2])

@@ -82,9 +82,9 @@ class Plan:
 def matmuls(m: ModelConfig, tokens: int, tp: int, *, fused: bool = True) -> list[tuple[str, float, float]]:
     """(name, forward FLOPs, FLOPs as timed) of the GEMMs of one block on one tp rank (``fused``:
     q/k/v and w1/w3 one GEMM each, as ``fused_linear`` runs them on a GPU or under autocast;
-    else one per weight, as on a CPU in fp32); ``tokens`` are this rank's queries, each attending to a whole sequence of s
-    keys (under cp the local share of every sequence: the zigzag split gives each rank half its
-    keys unmasked, as without cp)."""
+    else one per weight, as on a CPU in fp32); ``tokens`` are this rank's queries, each
+    attending to a whole sequence of s keys (under cp the local share of every sequence: the
+    zigzag split gives each rank half its keys unmasked, as without cp)."""
     d, e, f, s = m.d_model, m.head_dim, m.d_ff, m.seq_len
     h, g = m.n_heads // tp, m.n_kv_heads // tp
     if fused:

@@ -118,10 +118,13 @@ def main(argv=None) -> int:
             spec_model.pp_split = ",".join(map(str, split))  # the profile is kept
             pred = stage_times(spec_model, plan, c)
             alone = [f + b for f, b, *_ in costing(spec_model, plan, c).chunks(1.0, float(pp))]
-            meas = [statistics.median(t for r in got[name] for t in r["stages"][s][a.warmup:])
-                    for s in range(pp)]
-            cpu = [statistics.median(t for r in got[name] for t in r["cpu"][s][a.warmup:])
-                   for s in range(pp)]
+
+            def steady(key: str) -> list[float]:
+                """Each stage's median over the rounds' steps after the warm-up."""
+                return [statistics.median(t for r in got[name] for t in r[key][s][a.warmup:])
+                        for s in range(pp)]
+
+            meas, cpu = steady("stages"), steady("cpu")
             parts.append((pp, name, alone, cpu, [p / x for p, x in zip(pred, alone)],
                           [m / x for m, x in zip(meas, cpu)]))
             step = statistics.median(t for r in got[name] for t in r["step_times"][a.warmup:])
