@@ -152,6 +152,10 @@ class TrainConfig:
                                 "scaling; auto = bf16 on GPUs, fp32 on CPUs",
                         choices=("auto", "fp32", "bf16", "fp16"))
     threads_per_rank: int = _f(0, "torch threads per rank; 0 = cores / local ranks")
+    bind_cores: bool = _f(True, "on a CPU, bind each local rank to its own share of the cores "
+                                "(ranks beyond the cores take one each, in turn): a rank the OS "
+                                "moves between cores loses its caches; false if other jobs "
+                                "share this machine's cores")
     compile: bool = _f(False, "torch.compile each unit of the model (inductor: fused elementwise "
                               "kernels, fewer launches); the first steps compile (slower); on a CPU "
                               "needs a C++ compiler")

@@ -61,3 +61,47 @@ def test_computed_once_runs_on_rank_0_and_its_error_reaches_every_rank():
     got = spawn(_computed_once, 2)
     assert got[0] == {"value": "from rank 0", "calls": 1, "error": "cannot profile"}
     assert got[1] == {"value": "from rank 0", "calls": 0, "error": "cannot profile"}
+
+
+def test_core_share_gives_each_local_rank_its_own_cores():
+    from hybridpar.engine.launch import core_share
+
+    assert [core_share(r, 2, [0, 1]) for r in range(2)] == [[0], [1]]
+    assert [core_share(r, 2, [4, 5, 6, 7, 8]) for r in range(2)] == [[4, 5], [6, 7]]  # 8 free
+    assert [core_share(r, 8, [0, 1]) for r in range(8)] == [[0], [1]] * 4  # in turn
+    assert core_share(0, 1, [2, 3]) == [2, 3]
+
+
+def _bindings(cores: list[int]) -> dict:
+    import torch
+
+    from hybridpar.config import Config, TrainConfig
+    from hybridpar.engine.launch import set_threads
+
+    cpu, out = torch.device("cpu"), {}
+    for name, train in (("off", TrainConfig(bind_cores=False)),
+                        ("too many threads", TrainConfig(threads_per_rank=len(cores) + 1)),
+                        ("on", TrainConfig())):
+        bound = set_threads(Config(train=train), cpu)
+        out[name] = (bound, sorted(os.sched_getaffinity(0)), torch.get_num_threads())
+    return out
+
+
+def test_a_cpu_rank_is_bound_to_its_share_of_the_cores():
+    """``train.bind_cores``: each local rank runs on its own cores (the share of the process's
+    affinity mask), with that many torch threads; off, or with more threads asked for than the
+    share has, the rank keeps the mask it was started with."""
+    import pytest
+
+    from hybridpar.engine.env import usable_cores
+    from hybridpar.engine.launch import core_share, spawn
+
+    if not hasattr(os, "sched_setaffinity"):
+        pytest.skip("no CPU affinity on this OS")
+    cores = usable_cores()
+    got = spawn(_bindings, 2, cores)
+    for rank, out in got.items():
+        share = core_share(rank, 2, cores)
+        assert out["off"] == (None, cores, len(share)), (rank, out)
+        assert out["too many threads"] == (None, cores, len(cores) + 1), (rank, out)
+        assert out["on"] == (share, share, len(share)), (rank, out)

@@ -23,6 +23,7 @@ import os
 from dataclasses import asdict, dataclass, field, replace
 
 from ..config import ConfigError
+from ..engine.env import usable_cores
 
 
 @dataclass(frozen=True)
@@ -244,12 +245,12 @@ PRESETS = {
     # H200: the H100 compute with 141 GB at 4.8 TB/s
     "h200": _gpu("h200", peak=989e12, mem=141e9, hbm=4.8e12, nvlink=360e9, nic=46e9),
     # an uncalibrated CPU guess (one rank per core, fp32); `hybridpar calibrate` replaces it
-    "cpu": Cluster(name="cpu", nodes=1, devices_per_node=os.cpu_count() or 1, mem_bytes=16e9,
+    "cpu": Cluster(name="cpu", nodes=1, devices_per_node=len(usable_cores()), mem_bytes=16e9,
                    peak_flops=50e9, matmul={1: [(1e5, 5e9), (1e7, 30e9), (1e9, 50e9)]},
                    mem_bw={1: 5e9}, intra=Link(100e-6, 1e9), inter=Link(100e-6, 1e9),
                    overhead={"action": 1e-3, "layer": 5e-4, "comm": 2e-4, "step": 5e-3,
                              "param": 2e-9},
-                   cores=os.cpu_count() or 1, backend="gloo", dtype_bytes=4),
+                   cores=len(usable_cores()), backend="gloo", dtype_bytes=4),
 }
 
 

@@ -35,6 +35,7 @@ import statistics
 import time
 from dataclasses import replace
 
+from ..engine.env import usable_cores
 from ..planner.cluster import Cluster, Link, save_profile
 
 
@@ -421,9 +422,11 @@ def _collectives_worker(sizes: list[int], iters: int, n: int) -> dict | None:
     import torch
     import torch.distributed as dist
 
+    from ..engine.launch import bind_to_cores
     from .bench.collectives import _time, cases
 
     torch.set_num_threads(1)
+    bind_to_cores(1)  # as a training rank is (``train.bind_cores``)
     dist.init_process_group("gloo")
     a, w = torch.randn(1024, 256), torch.randn(256, 768)  # ~5 ms: a tp layer's matmul
     try:
@@ -481,7 +484,7 @@ def _collectives_worker(sizes: list[int], iters: int, n: int) -> dict | None:
 def calibrate(ranks: tuple[int, ...] = (2, 4, 8), *, log=print) -> Cluster:
     from ..engine.launch import spawn
 
-    cores = os.cpu_count() or 1
+    cores = len(usable_cores())  # a container's cpuset, not the host's count
     thread_counts = sorted({1, cores})
     t0 = time.time()
     probes = [speed_probe()]
