@@ -371,6 +371,22 @@ def test_a_cpu_pipeline_shares_the_cores_between_its_stages():
     assert timing.predict_time(SMALL, plan, gpu).makespan < 4 * sum(f + b for f, b, *_ in chunks)
 
 
+def test_ranks_bound_to_one_core_share_it_while_another_idles():
+    """Ranks bound to cores (``launch.core_share``: local rank i on core i % cores): 4 stages on
+    2 cores put stages 0 and 2 on core 0. Two working stages on one core go at half speed while
+    the other core idles; on a core each, or all four balanced, they go at the calibrated rate of
+    that many working ranks (``_rates``); with more cores than ranks nobody shares."""
+    rates = (1.0, 1.0, 1.0, 1.0 / 1.5, 1.0 / 2.2)  # slow-down 1, 1, 1.5, 2.2 at 1..4 ranks
+    four = timing._bound_speeds(rates, 1, 2, 4, 1)
+    assert four((0, 1)) == pytest.approx((1.0, 1.0))
+    assert four((0, 2)) == pytest.approx((0.5, 0.5))
+    assert four((0, 1, 2)) == pytest.approx((0.5, 1.0, 0.5))  # core 1 has stage 1 alone
+    assert four((0, 1, 2, 3)) == pytest.approx((rates[4],) * 4)
+    # 2 stages of 2 lockstep ranks (dp=2) on 2 cores: each stage spans both cores
+    assert timing._bound_speeds(rates, 2, 2, 4, 1)((0, 1)) == pytest.approx((rates[2],) * 2)
+    assert timing._bound_speeds(rates, 1, 4, 2, 2)((0, 1)) == pytest.approx((1.0, 1.0))
+
+
 def test_the_optimizer_shares_the_machine_by_its_own_calibrated_slow_down():
     """Every rank steps its optimizer at once. A CPU profile that measured k concurrent updates
     (``oversubscription_mem``) slows the update by that figure for the world's ranks, not by

@@ -289,6 +289,26 @@ def test_sharing_slows_the_actions_that_overlap_and_waits_use_no_core():
     assert waits.makespan == pytest.approx(11.0)  # 8 + the core idle in [1, 2], [4, 5], [8, 9]
 
 
+def test_speeds_give_each_working_rank_its_own_rate():
+    """``speeds`` generalises ``share``: one rate for every working rank reproduces it, and a
+    rank always at half speed runs as if its work were twice as long."""
+    sched = build("1f1b", 2, 4)
+
+    def dur(rank, a):
+        return (1.0 + 0.5 * rank) * (2.0 if a.op is B else 1.0)
+
+    def times(res):
+        return sorted((e.rank, str(e.action), round(e.start, 9), round(e.end, 9)) for e in res.events)
+
+    shared = simulate(sched, 2, duration=dur, share=lambda n: 1.0 / n)
+    same = simulate(sched, 2, duration=dur, speeds=lambda w: (1.0 / len(w),) * len(w))
+    assert times(same) == times(shared)
+    half = simulate(sched, 2, duration=dur, speeds=lambda w: tuple(0.5 if r == 0 else 1.0 for r in w))
+    longer = simulate(sched, 2, duration=lambda r, a: dur(r, a) * (2.0 if r == 0 else 1.0))
+    assert times(half) == times(longer)
+    assert half.makespan > shared.makespan / 2
+
+
 def test_runner_waits_for_receives_now_and_sends_at_the_end(monkeypatch):
     """The runtime's half of "deferred": in a batch of one handle per op, receives are waited on
     before the batch returns and sends only when the step's list is done; one handle for the

@@ -14,9 +14,10 @@ all-reduce of loss and norm synchronises every rank).
 On a CPU the ranks share the cores. The simulator shares them moment by moment (processor
 sharing): while n of the pipeline's p stages compute, each computes at 1 / the calibrated
 slow-down of n * world / p busy 1-thread processes (a stage stands for its tp peers and dp
-replicas, which compute in lockstep with it). So a light stage runs slower while the heavy
-ones compute beside it, and a bubble or a p2p wait frees a core for another rank; a stage's tp
-collectives hold it without computing. After the schedule, and in the closed form used for
+replicas, which compute in lockstep with it), or, where two working stages are bound to one
+core (``launch.core_share``) while another idles, at half of that core (``_bound_speeds``).
+So a light stage runs slower while the heavy ones compute beside it, and a bubble or a p2p
+wait frees a core for another rank; a stage's tp collectives hold it without computing. After the schedule, and in the closed form used for
 pruning, compute is slowed by the average number of busy ranks (the world times the non-idle
 share of the pipeline from a first simulation). The tp collectives cost what was calibrated
 in concurrent groups of that many busy ranks (``collectives_shared``: a peer that is
@@ -189,11 +190,13 @@ def _post_schedule(n: int, plan: Plan, c: Cluster, last_bwd: float,
 
 
 def _simulate(name: str, p: int, M: int, v: int, fwd: tuple, bwd: tuple, tc: float, sends: str,
-              rates: tuple | None = None, waits: tuple | None = None, post: float = 0.0):
+              rates: tuple | None = None, waits: tuple | None = None, post: float = 0.0,
+              bound: tuple | None = None):
     """The schedule run by the runtime's simulator with these per-virtual-stage durations and
     message time ``tc``. Ranks sharing a CPU: ``rates[n]`` is each one's compute speed while n
     of the p compute, ``fwd``/``bwd`` are then the times alone and ``waits`` the (forward,
-    backward) collective seconds of each virtual stage, which use no core."""
+    backward) collective seconds of each virtual stage, which use no core; ``bound`` where the
+    ranks are bound to cores (``_bound_speeds``' arguments after ``rates``)."""
     def wait(rank, a):
         return waits[a.chunk * p + rank][a.op is Op.BWD]
 
@@ -201,18 +204,44 @@ def _simulate(name: str, p: int, M: int, v: int, fwd: tuple, bwd: tuple, tc: flo
                     duration=lambda rank, a: (fwd if a.op is Op.FWD else bwd)[a.chunk * p + rank],
                     comm_time=lambda rank, a: tc, sends=sends,
                     share=(lambda n: rates[n]) if rates else None, wait=wait if waits else None,
-                    post_cpu=(lambda rank, a: post) if post else None)
+                    post_cpu=(lambda rank, a: post) if post else None,
+                    speeds=_bound_speeds(rates, *bound) if bound and rates else None)
+
+
+def _bound_speeds(rates: tuple, per: int, cores: int, node_ranks: int, threads: int):
+    """Each working stage's speed when ranks are bound to cores (``launch.core_share``): stage s
+    is global ranks s*per .. s*per + per - 1 (``per`` = world / pp, in lockstep; the default
+    rank order, pp outermost), local rank
+    = rank % node_ranks, on core local % cores when the node has more ranks than cores (else
+    each its own). A core's m working ranks take 1/m of it each, and every rank is slowed by
+    the calibrated interference of that many working ranks (shared caches, memory: the
+    slow-down of n ranks, ``1 / rates[n]``, over the share of the cores they would get); a
+    stage goes at its slowest rank's speed. Balanced, this is ``rates``; two working stages on
+    one core while the other idles each go at half speed."""
+    @lru_cache(maxsize=None)
+    def speeds(working: tuple[int, ...]) -> tuple[float, ...]:
+        n = len(working) * per * threads
+        inter = 1.0 / (rates[len(working)] * max(1.0, n / cores))
+        if node_ranks < cores:
+            return (1.0 / inter,) * len(working)
+        load: dict[int, int] = {}
+        ranks = {s: [(s * per + j) % node_ranks % cores for j in range(per)] for s in working}
+        for s in working:
+            for core in ranks[s]:
+                load[core] = load.get(core, 0) + 1
+        return tuple(1.0 / (inter * max(load[core] for core in ranks[s])) for s in working)
+    return speeds
 
 
 @lru_cache(maxsize=4096)
 def _makespan(name: str, p: int, M: int, v: int, fwd: tuple, bwd: tuple, tc: float, quick: bool,
               sends: str = "blocking", rates: tuple | None = None, waits: tuple | None = None,
-              post: float = 0.0):
+              post: float = 0.0, bound: tuple | None = None):
     """(makespan, per-rank end, bubble, method) of the schedule (``_simulate``); cached, as
     layouts differing only after the schedule (ZeRO-1, say) share it."""
 
     def sim(mbs: int):
-        r = _simulate(name, p, mbs, v, fwd, bwd, tc, sends, rates, waits, post)
+        r = _simulate(name, p, mbs, v, fwd, bwd, tc, sends, rates, waits, post, bound)
         ends = [0.0] * p
         for ev in r.events:
             ends[ev.rank] = max(ends[ev.rank], ev.end)
@@ -336,7 +365,8 @@ def _shared_inputs(model, plan: Plan, c: Cluster, busy_ranks: float):
     fwd, bwd = (tuple(x[i] - x[i + 2] + copy[v] for v, x in enumerate(costs)) for i in (0, 1))
     post = c.p2p_core_seconds(busy_ranks) if plan.pp > 1 else 0.0
     return fwd, bwd, _message_time(model, plan, c, busy_ranks, shared=bool(post)), dict(
-        rates=_rates(c, plan), waits=tuple((x[2], x[3]) for x in costs), post=post)
+        rates=_rates(c, plan), waits=tuple((x[2], x[3]) for x in costs), post=post,
+        bound=(plan.world // plan.pp, c.cores, c.devices_per_node, _threads(c, plan)))
 
 
 def _message_cpu(model, plan: Plan, c: Cluster) -> list[float]:

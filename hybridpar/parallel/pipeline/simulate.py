@@ -171,7 +171,8 @@ def simulate(schedule: Schedule, n_stages: int, n_chunks: int = 1,
              duration: CostFn | None = None, comm_time: CostFn | None = None, *,
              backward: bool = True, sends: str = "deferred",
              share: Callable[[int], float] | None = None, wait: CostFn | None = None,
-             post_cpu: CostFn | None = None) -> SimResult:
+             post_cpu: CostFn | None = None,
+             speeds: Callable[[tuple[int, ...]], tuple[float, ...]] | None = None) -> SimResult:
     """Validate ``schedule`` and time it; ``duration`` / ``comm_time`` map (rank, action) to
     seconds (defaults: F = 1, B = 2, messages free). ``backward=False`` checks a forward-only
     (evaluation) list; ``sends`` is ``"deferred"`` or ``"blocking"`` (module docstring). Raises
@@ -182,7 +183,10 @@ def simulate(schedule: Schedule, n_stages: int, n_chunks: int = 1,
     an action's ``duration`` is then its time alone, and ``wait(rank, action)`` the seconds it
     spends in its own collectives after that work, computing nothing; ``post_cpu(rank, action)``
     the core seconds the rank spends on each message of a batch before it is posted (posting,
-    and the transport's handling of the bytes, which take the same cores as the compute)."""
+    and the transport's handling of the bytes, which take the same cores as the compute).
+    ``speeds(working)``, in place of ``share``, gives each rank's speed from the set of ranks
+    working (sorted): for ranks bound to cores, where two on one core share it while another
+    core idles."""
     if sends not in SENDS:
         raise ValueError(f"sends={sends!r} must be one of {SENDS}")
     if len(schedule) != n_stages:
@@ -194,7 +198,8 @@ def simulate(schedule: Schedule, n_stages: int, n_chunks: int = 1,
     _check_coverage(schedule, n_stages, n_chunks, backward)
     where = _check_messages(schedule, n_stages)
     events, clock = _run(schedule, n_stages, where, duration or default_duration,
-                         comm_time or _no_comm_time, sends == "deferred", share, wait, post_cpu)
+                         comm_time or _no_comm_time, sends == "deferred", share, wait, post_cpu,
+                         speeds)
     busy = tuple(sum((e.end - e.start for e in events
                       if e.rank == r and not e.action.op.is_comm), 0.0) for r in range(n_stages))
     makespan = max(clock, default=0.0)
@@ -209,8 +214,9 @@ def simulate(schedule: Schedule, n_stages: int, n_chunks: int = 1,
 
 def _run(schedule: Schedule, n_stages: int, where: dict, duration: CostFn,
          comm_time: CostFn, deferred: bool, share: Callable[[int], float] | None = None,
-         wait: CostFn | None = None,
-         post_cpu: CostFn | None = None) -> tuple[list[Event], list[float]]:
+         wait: CostFn | None = None, post_cpu: CostFn | None = None,
+         speeds: Callable[[tuple[int, ...]], tuple[float, ...]] | None = None,
+         ) -> tuple[list[Event], list[float]]:
     """Event-driven run in time order. A compute action is ``duration`` seconds of work then
     ``wait`` seconds in which the rank computes nothing (its own collectives); the work
     progresses at ``share(n)`` seconds per second while n ranks do work at once (1 without
@@ -303,8 +309,11 @@ def _run(schedule: Schedule, n_stages: int, where: dict, duration: CostFn,
     settle()
     while True:
         working = [r for r in range(n_stages) if state[r] is not None and state[r][0] == "work"]
-        rate = share(len(working)) if share and working else 1.0
-        nxt = [(state[r][2] + state[r][1] / rate, r) for r in working]
+        if speeds and working:
+            rate = dict(zip(working, speeds(tuple(working))))
+        else:
+            rate = dict.fromkeys(working, share(len(working)) if share and working else 1.0)
+        nxt = [(state[r][2] + state[r][1] / rate[r], r) for r in working]
         nxt += [(st[1], r) for r, st in enumerate(state) if st is not None and st[0] == "until"]
         if not nxt:
             break
@@ -314,9 +323,9 @@ def _run(schedule: Schedule, n_stages: int, where: dict, duration: CostFn,
                 continue
             if when <= t:
                 work_done(r)
-            elif share:  # the work done so far at this rate; the next rate may differ
+            elif share or speeds:  # the work done so far at this rate; the next may differ
                 _, left, since = state[r]
-                state[r] = ("work", left - (t - since) * rate, t)
+                state[r] = ("work", left - (t - since) * rate[r], t)
         settle()
     blocked = []
     for r in range(n_stages):
