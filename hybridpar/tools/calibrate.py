@@ -15,8 +15,11 @@
               thread included, less the matmuls'), which a pipeline's messages take from compute
   oversubscription  the slow-down of k concurrent 1-thread processes doing a block's work, and
               doing the trainer's optimizer update (which shares the memory bandwidth too)
-  probe       a reference block's time at the start and end, to compare the machine's speed
-              later (``speed_drift``) with the speed the profile was measured at
+  probe       a reference block's time at the start, around the compute tables and at the
+              end: the matmul and convolution tables are scaled to the mean of the four (a
+              table timed while the machine ran slow, here up to 22% between start and end,
+              would cost every model on it that much high), and the mean is the speed the
+              profile was measured at, to compare with the machine's later (``speed_drift``)
   overhead    the framework's fixed cost: a tiny block's forward+backward (per layer, pure
               dispatch), a tiny model's training step at 1 and 8 micro-batches (per F/B action
               and per step), and AdamW + gradient norm + zeroing per parameter
@@ -492,7 +495,9 @@ def calibrate(ranks: tuple[int, ...] = (2, 4, 8), *, log=print) -> Cluster:
     for t in thread_counts:  # more threads are never slower: a lower figure is another
         matmul[t] = [(f, max(r, r1)) for (f, r), (_, r1) in zip(matmul[t], matmul[1])]  # job's noise
     log(f"matmul: best {max(r for _, r in matmul[1]) / 1e9:.1f} GFLOP/s on 1 thread ({time.time() - t0:.0f} s)")
+    probes.append(speed_probe())
     tables = {t: conv_table(t) for t in thread_counts}
+    probes.append(speed_probe())
     conv, conv_bwd = ({t: v[i] for t, v in tables.items()} for i in (0, 1))
     log(f"convolutions: {min(r for _, r, *_ in conv[1]) / 1e9:.1f} .. {max(r for _, r, *_ in conv[1]) / 1e9:.1f} "
         f"GFLOP/s on 1 thread")
@@ -524,7 +529,16 @@ def calibrate(ranks: tuple[int, ...] = (2, 4, 8), *, log=print) -> Cluster:
                 f"{op} {ab[0] * 1e6:.0f} us ({ab[2] * 1e6:.0f} back to back) + {1e-9 / max(ab[1], 1e-30):.2f} GB/s"
                 for op, ab in fits.items()))
     probes.append(speed_probe())
-    log(f"reference block: {1e3 * probes[0]:.1f} ms at the start, {1e3 * probes[1]:.1f} ms at the end")
+    ref = statistics.mean(probes)
+    # each compute table at the profile's reference speed: timed while the machine ran slower
+    # (a longer reference block around it), its rates were lower by that much
+    mm_at, conv_at = (probes[0] + probes[1]) / 2 / ref, (probes[1] + probes[2]) / 2 / ref
+    matmul = {t: [(f, r * mm_at) for f, r in rows] for t, rows in matmul.items()}
+    conv, conv_bwd = ({t: [(row[0], row[1] * conv_at, *row[2:]) for row in rows] for t, rows in tab.items()}
+                      for tab in (conv, conv_bwd))
+    log(f"reference block: {', '.join(f'{1e3 * p:.1f}' for p in probes)} ms (start, after the matmul "
+        f"table, after the convolutions, end); the tables scaled to their mean: matmul x{mm_at:.3f}, "
+        f"convolutions x{conv_at:.3f}")
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     p2p = coll["send/recv"][min(coll["send/recv"])]
     link = Link(p2p[0], 1.0 / max(p2p[1], 1e-30))
@@ -533,7 +547,7 @@ def calibrate(ranks: tuple[int, ...] = (2, 4, 8), *, log=print) -> Cluster:
                    conv_bwd=conv_bwd,
                    intra=link, inter=link, collectives=coll, collectives_shared=shared, overhead=ovh,
                    cores=cores, oversubscription=over, oversubscription_mem=over_mem, p2p_cpu=p2p_cpu,
-                   probe_s=statistics.mean(probes), backend="gloo",
+                   probe_s=ref, backend="gloo",
                    dtype_bytes=4)
 
 
