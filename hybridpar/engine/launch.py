@@ -90,9 +90,9 @@ def set_threads(cfg: Config, device: torch.device | None = None) -> list[int] | 
     CPU with ``train.bind_cores``, the rank is also bound to that share (and the threads it
     starts after, Gloo's and torch's, with it): the OS otherwise moves a rank that wakes from a
     receive to whichever core is free, away from the caches that hold its weights and
-    activations. Measured on 2 cores (ResNet, 16 x 16 images, 1F1B): bound, the stages'
-    forward and backward took 0.70-0.80x the time at pp=2 and the step 0.78-0.82x at pp=4.
-    Returns the cores bound to, or None."""
+    activations. Measured on 2 cores (ResNet, 16 x 16 images, 1F1B, bound and free
+    alternated): the step bound took 0.71-0.98x the free one's in all six pairs at pp=2 and
+    pp=4. Returns the cores bound to, or None."""
     n = cfg.train.threads_per_rank if cfg.train.threads_per_rank > 0 else len(_share())
     torch.set_num_threads(n)
     if device is None or device.type != "cpu" or not cfg.train.bind_cores:
