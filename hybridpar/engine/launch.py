@@ -93,26 +93,26 @@ def set_threads(cfg: Config, device: torch.device | None = None) -> list[int] | 
     activations. Measured on 2 cores (ResNet, 16 x 16 images, 1F1B, bound and free
     alternated): the step bound took 0.71-0.98x the free one's in all six pairs at pp=2 and
     pp=4. Returns the cores bound to, or None."""
-    n = cfg.train.threads_per_rank if cfg.train.threads_per_rank > 0 else len(_share())
+    n = cfg.train.threads_per_rank if cfg.train.threads_per_rank > 0 else len(_share()[1])
     torch.set_num_threads(n)
     if device is None or device.type != "cpu" or not cfg.train.bind_cores:
         return None
     return bind_to_cores(n)
 
 
-def _share() -> list[int]:
+def _share() -> tuple[int, list[int]]:
+    """(ranks on this machine, this one's ``core_share``), from the launcher's LOCAL_RANK of
+    LOCAL_WORLD_SIZE."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return core_share(int(os.environ.get("LOCAL_RANK", "0")) % local, local, usable_cores())
+    return local, core_share(int(os.environ.get("LOCAL_RANK", "0")) % local, local, usable_cores())
 
 
 def bind_to_cores(threads: int) -> list[int] | None:
-    """Bind this local rank (the launcher's LOCAL_RANK of LOCAL_WORLD_SIZE) to its
-    ``core_share``, unless it is alone or wants more ``threads`` than the share has; returns
-    the cores bound to, or None. Also used by ``calibrate``, so that its ranks share the cores
-    as training's do."""
-    share = _share()
-    if (int(os.environ.get("LOCAL_WORLD_SIZE", "1")) == 1 or threads > len(share)
-            or not hasattr(os, "sched_setaffinity")):
+    """Bind this local rank to its ``core_share``, unless it is alone or wants more
+    ``threads`` than the share has; returns the cores bound to, or None. Also used by
+    ``calibrate``, so that its ranks share the cores as training's do."""
+    local, share = _share()
+    if local == 1 or threads > len(share) or not hasattr(os, "sched_setaffinity"):
         return None
     os.sched_setaffinity(0, share)
     return share

@@ -83,7 +83,8 @@ class Cluster:
     its bytes' copy, with k ranks sharing the cores}: posting, waking Gloo's transport thread
     and its socket handling, taken from the cores the ranks compute on. Measured between
     matmuls in pairs of a world of k (here, 2 cores, two calibrations: 0.35-0.52 ms at 2
-    ranks, 0.86-1.02 ms at 4, 0.66-0.74 ms at 8, against 0.06 ms back to back); empty: free."""
+    ranks, 0.86-1.02 ms at 4, 0.66-0.74 ms at 8, against 0.06 ms back to back; with the ranks
+    bound to cores, two more: 0.42-0.58 ms at 2, 0.31-0.34 at 4, 0.28-0.31 at 8); empty: free."""
     probe_s: float = 0.0
     """Calibrated on a CPU: seconds of a reference work (a default-model block's forward and
     backward on 1 thread) while the profile was made. This machine's speed drifts by tens of

@@ -15,19 +15,20 @@ On a CPU the ranks share the cores. The simulator shares them moment by moment (
 sharing): while n of the pipeline's p stages compute, each computes at 1 / the calibrated
 slow-down of n * world / p busy 1-thread processes (a stage stands for its tp peers and dp
 replicas, which compute in lockstep with it), or, where two working stages are bound to one
-core (``launch.core_share``) while another idles, at half of that core (``_bound_speeds``).
-So a light stage runs slower while the heavy ones compute beside it, and a bubble or a p2p
-wait frees a core for another rank; a stage's tp collectives hold it without computing. After the schedule, and in the closed form used for
-pruning, compute is slowed by the average number of busy ranks (the world times the non-idle
-share of the pipeline from a first simulation). The tp collectives cost what was calibrated
-in concurrent groups of that many busy ranks (``collectives_shared``: a peer that is
-descheduled when a collective starts must be woken first); the dp sync after the schedule,
-which every rank joins, at the whole world. A pipeline message, where the profile has its core
-time (``Cluster.p2p_cpu``), is that work on the shared cores for each send and receive (Gloo's
-transport thread wakes and handles the socket on the cores the stages compute on: 0.35-1.0 ms
-an op between matmuls on 2 cores, against 0.06 ms back to back), then the pair's back-to-back
-latency; so the simulator plays out the wait for a descheduled peer and the compute it slows,
-and counts that work as busy when it re-estimates the busy ranks.
+core (``launch.core_share``) while another idles, at half of that core (``_bound_speeds``). So
+a light stage runs slower while the heavy ones compute beside it, and a bubble or a p2p wait
+frees a core for another rank; a stage's tp collectives hold it without computing. After the
+schedule, and in the closed form used for pruning, compute is slowed by the average number of
+busy ranks (the world times the non-idle share of the pipeline from a first simulation). The tp
+collectives cost what was calibrated in concurrent groups of that many busy ranks
+(``collectives_shared``: a peer that is descheduled when a collective starts must be woken
+first); the dp sync after the schedule, which every rank joins, at the whole world. A pipeline
+message, where the profile has its core time (``Cluster.p2p_cpu``), is that work on the shared
+cores for each send and receive (Gloo's transport thread wakes and handles the socket on the
+cores the stages compute on: 0.35-1.0 ms an op between matmuls on 2 cores, against 0.06 ms back
+to back), then the pair's back-to-back latency; so the simulator plays out the wait for a
+descheduled peer and the compute it slows, and counts that work as busy when it re-estimates
+the busy ranks.
 Without it, the message costs the in-situ time calibrated in concurrent groups, using no core.
 """
 from __future__ import annotations
@@ -211,9 +212,8 @@ def _simulate(name: str, p: int, M: int, v: int, fwd: tuple, bwd: tuple, tc: flo
 def _bound_speeds(rates: tuple, per: int, cores: int, node_ranks: int, threads: int):
     """Each working stage's speed when ranks are bound to cores (``launch.core_share``): stage s
     is global ranks s*per .. s*per + per - 1 (``per`` = world / pp, in lockstep; the default
-    rank order, pp outermost), local rank
-    = rank % node_ranks, on core local % cores when the node has more ranks than cores (else
-    each its own). A core's m working ranks take 1/m of it each, and every rank is slowed by
+    rank order, pp outermost), local rank = rank % node_ranks, on core local % cores when the
+    node has more ranks than cores (else each its own). A core's m working ranks take 1/m of it each, and every rank is slowed by
     the calibrated interference of that many working ranks (shared caches, memory: the
     slow-down of n ranks, ``1 / rates[n]``, over the share of the cores they would get); a
     stage goes at its slowest rank's speed. Balanced, this is ``rates``; two working stages on
